@@ -1,0 +1,12 @@
+"""specgraph: lossless speculative decoding for HuggingFace causal LMs."""
+from specgraph import perfmodel
+from specgraph.trees import TreeSpec, ancestor_mask, tree_from_paths, tree_positions
+from specgraph.verify import verify_chain, verify_tree
+from specgraph.warping import SamplingParams, is_greedy, warp_logits, warped_probs
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "verify_chain", "verify_tree", "warp_logits", "warped_probs", "is_greedy", "SamplingParams",
+    "TreeSpec", "ancestor_mask", "tree_from_paths", "tree_positions", "perfmodel", "__version__",
+]

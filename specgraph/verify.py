@@ -1,0 +1,266 @@
+"""Exact speculative verification of drafted chains and trees.
+
+``verify_chain`` and ``verify_tree`` are batched, static-shaped and free of host syncs on their
+hot path (validation of *values* syncs and can be turned off with ``validate=False``; it is skipped
+automatically under ``torch.compile``). Per-position / per-node decisions come from the kernels in
+:mod:`specgraph.kernels` (Triton on CUDA, the plain-torch reference elsewhere); the sequential part
+(stop at the first rejection, walk the tree) is a short static loop here.
+"""
+from __future__ import annotations
+
+import torch
+
+from specgraph.kernels import chain_outcomes, tree_outcomes
+from specgraph.trees import TreeSpec
+from specgraph.warping import check_sampling_params, is_greedy, warp_logits
+
+_PROB_ATOL = 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _check_logits_values(name: str, logits: torch.Tensor) -> None:
+    if torch.isnan(logits).any():
+        raise ValueError(f"{name} contains NaN")
+    if torch.isposinf(logits).any():
+        raise ValueError(f"{name} contains +inf")
+    if torch.isneginf(logits).all(dim=-1).any():
+        raise ValueError(f"{name} has a row that is -inf everywhere (no token is possible)")
+
+
+def _check_probs_values(name: str, probs: torch.Tensor) -> None:
+    if not torch.isfinite(probs).all():
+        raise ValueError(f"{name} contains NaN or inf")
+    if (probs < 0).any():
+        raise ValueError(f"{name} has negative probabilities")
+    sums = probs.sum(dim=-1)
+    if ((sums - 1.0).abs() > _PROB_ATOL).any():
+        flat = sums.flatten()
+        worst = flat[(flat - 1.0).abs().argmax()]
+        raise ValueError(f"{name} rows must sum to 1 (warped probabilities, not logits); found a row summing to {float(worst):.6g}")
+
+
+def _check_tokens(name: str, tokens: torch.Tensor, vocab: int) -> None:
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be an integer tensor, got {tokens.dtype}")
+    if ((tokens < 0) | (tokens >= vocab)).any():
+        raise ValueError(f"{name} has token ids outside [0, {vocab})")
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# randomness
+
+
+def _uniform(shape, device, generator) -> torch.Tensor:
+    return torch.rand(shape, device=device, dtype=torch.float32, generator=generator)
+
+
+def _exponential(shape, device, generator) -> torch.Tensor:
+    # -log(u) with u clamped away from 0 so no draw is exactly 0 or inf.
+    u = torch.rand(shape, device=device, dtype=torch.float32, generator=generator)
+    return -torch.log(u.clamp_min(torch.finfo(torch.float32).tiny))
+
+
+# ----------------------------------------------------------------------------------------------
+# chain
+
+
+def combine_chain(
+    accepted: torch.Tensor,  # [B, K] bool
+    recovered: torch.Tensor,  # [B, K+1] long
+    draft_tokens: torch.Tensor,  # [B, K] long
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stop at the first rejection: tokens [B, K+1] (-1 padded) and num_emitted [B] in 1..K+1."""
+    B, K = draft_tokens.shape
+    n_acc = accepted.long().cumprod(dim=1).sum(dim=1)  # [B] accepted prefix length
+    pos = torch.arange(K + 1, device=draft_tokens.device).unsqueeze(0)  # [1, K+1]
+    drafts = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), -1)], dim=1)
+    final = recovered.gather(1, n_acc.unsqueeze(1))  # [B, 1]
+    tokens = torch.where(pos < n_acc.unsqueeze(1), drafts, torch.where(pos == n_acc.unsqueeze(1), final, -1))
+    return tokens, n_acc + 1
+
+
+def verify_chain(
+    target_logits: torch.Tensor,  # [B, K+1, V]
+    draft_probs: torch.Tensor | None,  # [B, K, V] or None (deterministic drafts)
+    draft_tokens: torch.Tensor,  # [B, K] long
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    generator: torch.Generator | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan/Chen speculative sampling for a batch of draft chains.
+
+    Args:
+        target_logits: ``[B, K+1, V]`` raw target logits at the K draft positions plus the bonus
+            position. They are warped here with the given settings.
+        draft_probs: ``[B, K, V]`` the warped distribution each draft token was sampled from (use
+            :func:`specgraph.warped_probs` with the *same* settings), or ``None`` when drafts are
+            deterministic (q is one-hot on the draft token).
+        draft_tokens: ``[B, K]`` long.
+        temperature: 0 = greedy: accept while the draft equals the target argmax, then emit the argmax.
+        validate: check values (NaN/inf logits, probabilities, token range). This syncs with the
+            device; it is skipped under ``torch.compile``.
+
+    Returns:
+        ``tokens`` ``[B, K+1]`` long, the emitted tokens then -1; ``num_emitted`` ``[B]`` long in 1..K+1.
+    """
+    check_sampling_params(temperature, top_k, top_p, min_p)
+    if target_logits.dim() != 3:
+        raise ValueError(f"target_logits must be [B, K+1, V], got shape {tuple(target_logits.shape)}")
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [B, K], got shape {tuple(draft_tokens.shape)}")
+    B, K1, V = target_logits.shape
+    K = draft_tokens.shape[1]
+    if draft_tokens.shape[0] != B or K1 != K + 1:
+        raise ValueError(
+            f"shape mismatch: target_logits {tuple(target_logits.shape)} needs draft_tokens [B={B}, K={K1 - 1}], "
+            f"got {tuple(draft_tokens.shape)}"
+        )
+    _check_float("target_logits", target_logits)
+    if draft_probs is not None:
+        if draft_probs.dim() != 3 or draft_probs.shape[:2] != (B, K):
+            raise ValueError(f"draft_probs must be [B={B}, K={K}, V], got {tuple(draft_probs.shape)}")
+        if draft_probs.shape[2] != V:
+            raise ValueError(f"vocab mismatch: target has V={V}, draft_probs has V={draft_probs.shape[2]}")
+        _check_float("draft_probs", draft_probs)
+    if validate and not _is_compiling():
+        _check_logits_values("target_logits", target_logits)
+        _check_tokens("draft_tokens", draft_tokens, V)
+        if draft_probs is not None:
+            _check_probs_values("draft_probs", draft_probs)
+
+    if is_greedy(temperature):
+        target = target_logits.argmax(dim=-1)  # [B, K+1]
+        accepted = draft_tokens == target[:, :K]
+        return combine_chain(accepted, target, draft_tokens)
+
+    warped = warp_logits(target_logits, temperature, top_k, top_p, min_p)
+    accept_u = _uniform((B, K), target_logits.device, generator)
+    expo = _exponential((B, K + 1, V), target_logits.device, generator)
+    accepted, recovered = chain_outcomes(warped, draft_probs, draft_tokens, accept_u, expo)
+    return combine_chain(accepted, recovered, draft_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# tree
+
+
+def walk_tree(
+    choice: torch.Tensor,  # [B, N] long accepted child per node, -1 if none
+    sampled: torch.Tensor,  # [B, N] long token drawn at each node's final residual
+    tree_tokens: torch.Tensor,  # [B, N] long
+    max_depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Follow accepted children from the root: path_tokens [B, D+1], num_emitted [B], path_nodes [B, D+1].
+
+    ``path_nodes`` lists the nodes whose K/V stay in the cache (the root, then each accepted node);
+    ``path_tokens[:, j]`` is the token emitted after ``path_nodes[:, j]``.
+    """
+    B = choice.shape[0]
+    node = torch.zeros(B, dtype=torch.long, device=choice.device)
+    alive = torch.ones(B, dtype=torch.bool, device=choice.device)
+    tokens, nodes = [], [node]
+    for _ in range(max_depth + 1):
+        nxt = choice.gather(1, node.unsqueeze(1)).squeeze(1)
+        step = alive & (nxt >= 0)
+        nxt_tok = tree_tokens.gather(1, nxt.clamp_min(0).unsqueeze(1)).squeeze(1)
+        stop_tok = sampled.gather(1, node.unsqueeze(1)).squeeze(1)
+        tokens.append(torch.where(step, nxt_tok, torch.where(alive, stop_tok, -1)))
+        node = torch.where(step, nxt, node)
+        nodes.append(torch.where(step, nxt, -1))
+        alive = step
+    path_tokens = torch.stack(tokens, dim=1)
+    path_nodes = torch.stack(nodes[: max_depth + 1], dim=1)
+    num_emitted = (path_tokens >= 0).sum(dim=1)
+    return path_tokens, num_emitted, path_nodes
+
+
+def _greedy_tree_outcomes(target_logits, tree_tokens, children):
+    B, N, _ = target_logits.shape
+    target = target_logits.argmax(dim=-1)  # [B, N]
+    choice = torch.full((B, N), -1, dtype=torch.long, device=target.device)
+    for j in reversed(range(children.shape[1])):  # reversed: the first matching child wins
+        child = children[:, j].unsqueeze(0).expand(B, N)
+        child_tok = tree_tokens.gather(1, child.clamp_min(0))
+        choice = torch.where((child >= 0) & (child_tok == target), child, choice)
+    return choice, target
+
+
+def verify_tree(
+    target_logits: torch.Tensor,  # [B, N, V]
+    draft_probs: torch.Tensor | None,  # [B, N, V] or None (deterministic children)
+    tree_tokens: torch.Tensor,  # [B, N] long
+    parents,  # [N] long tensor / list, or a TreeSpec
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    generator: torch.Generator | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lossless verification of a token tree in one call.
+
+    Args:
+        target_logits: ``[B, N, V]`` raw target logits at every node (node 0 = root = the last
+            accepted token).
+        draft_probs: ``[B, N, V]`` the warped distribution each node's children were drawn from
+            (i.i.d.; SpecInfer multi-step speculative sampling, Miao et al. 2024), or ``None`` when
+            children were chosen deterministically (top-k, n-gram matches; recursive rejection
+            sampling, as in Chen et al. 2023's multi-draft extension and SpecTr's K-SEQ baseline).
+        tree_tokens: ``[B, N]`` long token at each node (the root's entry is ignored).
+        parents: ``[N]`` parent indices (-1 for the root, topological order), or a
+            :class:`specgraph.TreeSpec` built once per shape (avoids re-deriving buffers).
+
+    Returns:
+        ``path_tokens`` ``[B, D+1]`` (-1 padded), ``num_emitted`` ``[B]``, ``path_nodes`` ``[B, D+1]``
+        node indices of the root and the accepted nodes (-1 padded). D is the tree's depth.
+    """
+    check_sampling_params(temperature, top_k, top_p, min_p)
+    spec = parents if isinstance(parents, TreeSpec) else TreeSpec.from_parents(parents)
+    if target_logits.dim() != 3:
+        raise ValueError(f"target_logits must be [B, N, V], got shape {tuple(target_logits.shape)}")
+    B, N, V = target_logits.shape
+    if N != spec.num_nodes:
+        raise ValueError(f"shape mismatch: target_logits has N={N} nodes, the tree has {spec.num_nodes}")
+    if tree_tokens.shape != (B, N):
+        raise ValueError(f"tree_tokens must be [B={B}, N={N}], got {tuple(tree_tokens.shape)}")
+    _check_float("target_logits", target_logits)
+    if draft_probs is not None:
+        if draft_probs.dim() != 3 or draft_probs.shape[:2] != (B, N):
+            raise ValueError(f"draft_probs must be [B={B}, N={N}, V], got {tuple(draft_probs.shape)}")
+        if draft_probs.shape[2] != V:
+            raise ValueError(f"vocab mismatch: target has V={V}, draft_probs has V={draft_probs.shape[2]}")
+        _check_float("draft_probs", draft_probs)
+    device = target_logits.device
+    children = spec.children.to(device)
+    if validate and not _is_compiling():
+        _check_logits_values("target_logits", target_logits)
+        _check_tokens("tree_tokens", tree_tokens[:, 1:], V)
+        if draft_probs is not None:
+            has_children = (spec.children[:, 0] >= 0).to(device)
+            _check_probs_values("draft_probs (rows of nodes with children)", draft_probs[:, has_children])
+
+    if is_greedy(temperature):
+        choice, sampled = _greedy_tree_outcomes(target_logits, tree_tokens, children)
+    else:
+        warped = warp_logits(target_logits, temperature, top_k, top_p, min_p)
+        accept_u = _uniform((B, N, children.shape[1]), device, generator)
+        expo = _exponential((B, N, V), device, generator)
+        choice, sampled = tree_outcomes(warped, draft_probs, tree_tokens, children, accept_u, expo)
+    return walk_tree(choice, sampled, tree_tokens, spec.max_depth)
