@@ -1,4 +1,10 @@
 """specgraph: lossless speculative decoding for HuggingFace causal LMs."""
+import os as _os
+
+# Spinning OpenMP workers make every compiled step many times slower on a shared CPU; only takes
+# effect if torch was not imported yet, and an explicit user setting wins.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from specgraph import perfmodel
 from specgraph.trees import TreeSpec, ancestor_mask, tree_from_paths, tree_positions
 from specgraph.verify import verify_chain, verify_tree
