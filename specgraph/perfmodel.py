@@ -52,6 +52,8 @@ def optimal_gamma(beta: float, c: float, max_gamma: int = 64, verify_cost=None) 
     ``verify_cost`` may be a callable γ -> cost of verifying γ+1 tokens (in target-step units),
     e.g. from a measured cost curve; by default verification costs one step for any γ.
     """
+    if max_gamma < 1:
+        raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
     best_gamma, best = 1, -math.inf
     for g in range(1, max_gamma + 1):
         vc = 1.0 if verify_cost is None else float(verify_cost(g))

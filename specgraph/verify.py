@@ -256,6 +256,10 @@ def verify_tree(
             has_children = (spec.children[:, 0] >= 0).to(device)
             _check_probs_values("draft_probs (rows of nodes with children)", draft_probs[:, has_children])
 
+    # The root's token is documented as ignored (and not validated), but the kernels gather the
+    # token of the -1 padding children through index 0; zero it so an out-of-range root entry can
+    # never become an out-of-bounds vocab index.
+    tree_tokens = torch.cat([torch.zeros_like(tree_tokens[:, :1]), tree_tokens[:, 1:]], dim=1)
     if is_greedy(temperature):
         choice, sampled = _greedy_tree_outcomes(target_logits, tree_tokens, children)
     else:

@@ -106,6 +106,7 @@ def warped_probs(
     min_p: float | None = None,
 ) -> torch.Tensor:  # [..., V] float32
     """The sampling distribution; for ``temperature == 0`` the one-hot argmax distribution."""
+    check_sampling_params(temperature, top_k, top_p, min_p)
     if is_greedy(temperature):
         idx = logits.argmax(dim=-1, keepdim=True)
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter(-1, idx, 1.0)
