@@ -1,1 +1,30 @@
-"""FX graph passes (GraphModule -> GraphModule) that turn a captured model step into a speculative step."""
+"""FX graph passes (GraphModule -> GraphModule) that turn a captured model step into a speculative step.
+
+The pipeline, in order (see :func:`run_step_pipeline`):
+
+1. ``tree_attention_pass`` - every SDPA call reads the explicit additive mask input (prefix + tree
+   ancestors), replacing the model's own causal-mask construction.
+2. ``safe_dce_pass`` - drop what step 1 made dead, keeping the in-place KV cache writes.
+
+Capture itself (the static KV cache with per-row write slots) is :mod:`specgraph.capture`.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .attention import attention_nodes, tree_attention_pass
+from .dce import safe_dce_pass
+
+STEP_PIPELINE = (tree_attention_pass, safe_dce_pass)
+
+
+def run_step_pipeline(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, int]]:
+    """Apply the passes in order; returns the graph and the match count of each pass."""
+    counts = {}
+    for p in STEP_PIPELINE:
+        gm, n = p(gm)
+        counts[p.__name__] = n
+    return gm, counts
+
+
+__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "safe_dce_pass", "attention_nodes"]

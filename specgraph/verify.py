@@ -144,14 +144,34 @@ def verify_chain(
         if draft_probs is not None:
             _check_probs_values("draft_probs", draft_probs)
 
+    noise = None if is_greedy(temperature) else chain_noise(B, K, V, target_logits.device, generator)
+    return verify_chain_with_noise(target_logits, draft_probs, draft_tokens, noise, temperature, top_k, top_p, min_p)
+
+
+def chain_noise(B: int, K: int, V: int, device, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random inputs of one chain verification: accept_u [B, K] and expo [B, K+1, V]."""
+    return _uniform((B, K), device, generator), _exponential((B, K + 1, V), device, generator)
+
+
+def verify_chain_with_noise(
+    target_logits: torch.Tensor,  # [B, K+1, V]
+    draft_probs: torch.Tensor | None,  # [B, K, V] or None
+    draft_tokens: torch.Tensor,  # [B, K] long
+    noise: tuple[torch.Tensor, torch.Tensor] | None,  # (accept_u [B, K], expo [B, K+1, V]); None if greedy
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_chain` with the random numbers as inputs and no checks: the form traced into
+    compiled and exported graphs (reproducible given the same noise)."""
+    K = draft_tokens.shape[1]
     if is_greedy(temperature):
         target = target_logits.argmax(dim=-1)  # [B, K+1]
         accepted = draft_tokens == target[:, :K]
         return combine_chain(accepted, target, draft_tokens)
-
+    accept_u, expo = noise
     warped = warp_logits(target_logits, temperature, top_k, top_p, min_p)
-    accept_u = _uniform((B, K), target_logits.device, generator)
-    expo = _exponential((B, K + 1, V), target_logits.device, generator)
     accepted, recovered = chain_outcomes(warped, draft_probs, draft_tokens, accept_u, expo)
     return combine_chain(accepted, recovered, draft_tokens)
 

@@ -1,0 +1,146 @@
+"""Capture one model step as an FX graph with every piece of state explicit.
+
+Route: ``torch.export`` (non-strict) of :class:`Step`, which runs the *unmodified* HF model with a
+tensor-backed cache (:class:`SlotCache`) and an explicit additive 4-D float mask. Why this route:
+
+* transformers (>= 5) passes a prepared 4-D mask straight to the attention functions, so the
+  captured graph has no causal-mask construction to fight, and every SDPA call reads the mask input;
+* the cache writes are in-place ``scatter_`` on the K/V inputs at caller-given slots, per row, so
+  rollback is free (rejected slots are masked and later overwritten) and rows of a batch advance
+  independently;
+* non-strict export takes ~1 s on tiny models (strict dynamo export works too but is slower, and
+  strict export of HF's own StaticCache needs far more graph surgery: its write index is a shared
+  counter, so per-row slots are impossible without rewriting it).
+
+Step signature (all tensors)::
+
+    forward(input_ids [B, Q] long, position_ids [B, Q] long, mask [B, 1, Q, S] float (0 / -inf),
+            slots [B, Q] long, *kv)  ->  (logits [B, Q, V], last_hidden [B, Q, H])
+
+``kv`` is k0, v0, k1, v1, ... each [B, H_kv, S, D], mutated in place.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's K/V, written at per-row slots; never concatenated."""
+
+    is_compileable = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.slots = keys, values, slots  # [B, H, S, D] x2, [B, Q]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        B, H, Q, _ = key_states.shape
+        idx = self.slots[:, None, :, None]
+        self.keys.scatter_(2, idx.expand(B, H, Q, key_states.shape[-1]), key_states)
+        self.values.scatter_(2, idx.expand(B, H, Q, value_states.shape[-1]), value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length):
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self):
+        return 0  # only consulted when position_ids is None; Step always passes them
+
+    def get_max_length(self):
+        return self.keys.shape[2]
+
+
+class SlotCache(Cache):
+    def __init__(self, kv, slots):
+        super().__init__(layers=[SlotLayer(kv[2 * i], kv[2 * i + 1], slots) for i in range(len(kv) // 2)])
+
+
+class Step(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, mask, slots, *kv):
+        out = self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+            past_key_values=SlotCache(kv, slots), use_cache=True, output_hidden_states=True,
+        )
+        return out.logits, out.hidden_states[-1]
+
+
+class UnsupportedModel(ValueError):
+    """The model cannot be captured/rewritten; callers fall back to the eager path."""
+
+
+def kv_layout(model) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) from the config."""
+    c = model.config.get_text_config(decoder=True)
+    layers = getattr(c, "num_hidden_layers", None)
+    heads = getattr(c, "num_attention_heads", None)
+    if layers is None or heads is None:
+        raise UnsupportedModel(f"{type(model).__name__}: config has no num_hidden_layers/num_attention_heads")
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return layers, kv_heads, head_dim
+
+
+def new_kv_cache(model, batch: int, slots: int, dtype=None, device=None) -> list[torch.Tensor]:
+    layers, kv_heads, head_dim = kv_layout(model)
+    p = next(model.parameters())
+    shape = (batch, kv_heads, slots, head_dim)
+    return [torch.zeros(shape, dtype=dtype or p.dtype, device=device or p.device) for _ in range(2 * layers)]
+
+
+def check_supported(model) -> None:
+    """Reject, with the reason, models the capture route does not handle."""
+    c = model.config.get_text_config(decoder=True)
+    if getattr(c, "is_encoder_decoder", False):
+        raise UnsupportedModel("encoder-decoder models are not supported (causal LMs only)")
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        raise UnsupportedModel(f"attention implementation {impl!r} is not supported; load with attn_implementation='sdpa'")
+    window = getattr(c, "sliding_window", None)
+    layer_types = getattr(c, "layer_types", None) or []
+    if window is not None and any(t != "full_attention" for t in layer_types):
+        raise UnsupportedModel(
+            f"sliding-window attention (window {window}) is not encoded in specgraph's masks yet; "
+            "set config.sliding_window=None if sequences stay inside the window"
+        )
+    for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(c, attr, None):
+            raise UnsupportedModel(f"{attr} models are not supported yet")
+    kv_layout(model)
+
+
+@torch.no_grad()
+def capture_step(model, batch: int, q_len: int, slots: int) -> torch.fx.GraphModule:
+    """Export one step for static shapes (B, Q, S) and return it as a flat-argument GraphModule."""
+    check_supported(model)
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        raise UnsupportedModel(
+            "the tree-mask pass rewrites scaled_dot_product_attention calls; load the model with "
+            "attn_implementation='sdpa' (eager attention is served by the eager fallback)"
+        )
+    p = next(model.parameters())
+    args = (
+        torch.zeros(batch, q_len, dtype=torch.long, device=p.device),
+        torch.arange(q_len, device=p.device).expand(batch, q_len).contiguous(),
+        torch.zeros(batch, 1, q_len, slots, dtype=p.dtype, device=p.device),
+        torch.arange(q_len, device=p.device).expand(batch, q_len).contiguous(),
+        *new_kv_cache(model, batch, slots),
+    )
+    try:
+        ep = torch.export.export(Step(model), args, strict=False)
+    except Exception as e:  # noqa: BLE001 - any capture failure means: not rewritable
+        raise UnsupportedModel(f"torch.export failed for {type(model).__name__}: {type(e).__name__}: {e}") from e
+    gm = ep.module()
+    # ep.module() wraps inputs/outputs in pytree specs; the passes add and rewire placeholders, so
+    # switch to plain positional codegen (forward(*flat_args) -> tuple).
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm.recompile()
+    return gm

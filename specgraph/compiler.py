@@ -1,0 +1,385 @@
+"""``specgraph.compile``: a captured, rewritten and compiled speculative step for an HF causal LM.
+
+Per (batch bucket, query length) the model step is captured once (:mod:`specgraph.capture`),
+rewritten by the pass pipeline (:mod:`specgraph.passes`) and wrapped in a *round* function that
+also proposes drafts, builds positions / slots / the additive mask, and verifies — all tensor ops,
+traced together by ``torch.compile`` so verification fuses after the logits. The host syncs once
+per round to read the emitted tokens (EOS, streaming, stopping).
+
+Static KV cache layout: row b's committed tokens live in slots ``0 .. L[b]-1`` (slot = position),
+the pending root (last accepted token) and drafts are written at ``L[b] ..``; rejected slots are
+simply not counted (rollback = not advancing ``L``) and are overwritten next round. The last slot
+is a scratch slot where padding and finished rows write.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from specgraph.capture import UnsupportedModel, capture_step, check_supported, new_kv_cache
+from specgraph.drafters import ngram_propose
+from specgraph.passes import run_step_pipeline
+from specgraph.verify import chain_noise, verify_chain_with_noise
+from specgraph.warping import SamplingParams
+
+NEG_INF = float("-inf")
+PREFILL_CHUNK = 32
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    seconds: float = 0.0
+    accepted_at: list = field(default_factory=list)  # per draft position: number of rows*rounds accepted
+
+    def as_dict(self) -> dict:
+        r = max(self.rounds, 1)
+        return {
+            "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "emitted": self.emitted,
+            "mean_emitted_per_round": self.emitted / r,
+            "acceptance_per_position": [a / r for a in self.accepted_at],
+            "tokens_per_s": self.emitted / self.seconds if self.seconds else 0.0,
+        }
+
+    def __repr__(self) -> str:
+        d = self.as_dict()
+        return (f"Stats(rounds={d['rounds']}, emitted={d['emitted']}, mean_emitted_per_round={d['mean_emitted_per_round']:.2f}, "
+                f"accepted={d['accepted']}/{d['drafted']}, tokens_per_s={d['tokens_per_s']:.1f})")
+
+
+def _bucket(b: int, max_batch: int) -> int:
+    p = 1
+    while p < b:
+        p *= 2
+    return min(p, max_batch)
+
+
+def _step_mask(L, q_pos, valid, S, window):
+    """Additive mask [B, 1, Q, S]: query at position q_pos sees committed slots < L and slots in
+    [L, q_pos] that are its ancestors (chain: all of them); invalid queries see only the scratch slot."""
+    s = torch.arange(S, device=L.device)
+    vis = (s.view(1, 1, S) < L.view(-1, 1, 1)) | (
+        (s.view(1, 1, S) >= L.view(-1, 1, 1)) & (s.view(1, 1, S) <= q_pos.unsqueeze(-1))
+    )
+    if window is not None:
+        vis &= s.view(1, 1, S) > q_pos.unsqueeze(-1) - window
+    vis = torch.where(valid.unsqueeze(-1), vis, s.view(1, 1, S) == S - 1)
+    zero = torch.zeros((), dtype=torch.float32, device=L.device)
+    return torch.where(vis, zero, NEG_INF).unsqueeze(1)
+
+
+class SpecGraphModel:
+    """What :func:`compile` returns. Call :meth:`generate`; read :attr:`stats`."""
+
+    def __init__(self, model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len):
+        if backend not in ("inductor", "eager"):
+            raise ValueError(f"backend must be 'inductor' or 'eager', got {backend!r}")
+        if draft not in (None, "ngram"):
+            raise ValueError(
+                f"draft={draft!r} is not supported yet: use None (compiled plain decoding) or 'ngram' (prompt lookup)"
+            )
+        if tree is not None:
+            raise ValueError("tree speculation in the compiled step is not implemented yet: use tree=None (chain)")
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive int, got {num_speculative_tokens!r}")
+        if max_batch_size < 1 or max_seq_len < 2:
+            raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
+        if model.training:
+            raise ValueError("put the model in eval mode first (model.eval())")
+        self.model = model
+        self.draft = draft
+        self.k = 0 if draft is None else num_speculative_tokens
+        self.backend = backend
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.slots = max_seq_len + 1  # + scratch slot
+        self.stats = Stats()
+        self.fallback_reason = None
+        try:
+            check_supported(model)
+        except UnsupportedModel as e:
+            self.fallback_reason = str(e)
+            warnings.warn(f"specgraph: cannot rewrite this model ({e}); falling back to the eager path", stacklevel=3)
+        cfg = model.config.get_text_config(decoder=True)
+        types = getattr(cfg, "layer_types", None) or []
+        self.window = getattr(cfg, "sliding_window", None) if types and all(t == "sliding_attention" for t in types) else None
+        if self.window is None and getattr(cfg, "sliding_window", None) and not types and getattr(cfg, "use_sliding_window", True):
+            self.window = cfg.sliding_window
+        self._steps: dict = {}
+        self._fns: dict = {}
+        self._kv: dict = {}
+        self.pass_counts: dict = {}
+
+    # ------------------------------------------------------------------------------------------
+    # graphs
+
+    def _step(self, B: int, Q: int):
+        key = (B, Q)
+        if key not in self._steps:
+            gm = capture_step(self.model, B, Q, self.slots)
+            gm, counts = run_step_pipeline(gm)
+            self.pass_counts[key] = counts
+            self._steps[key] = gm
+        return self._steps[key]
+
+    def _compiled(self, name: str, fn):
+        if self.backend == "eager":
+            return fn
+        return torch.compile(fn, dynamic=False, fullgraph=True)
+
+    def _prefill_fn(self, B: int):
+        key = ("prefill", B)
+        if key not in self._fns:
+            step, S, window = self._step(B, PREFILL_CHUNK), self.slots, self.window
+
+            def prefill(ids, pos, valid, *kv):  # [B, P] x2, [B, P] bool
+                slots = torch.where(valid, pos, S - 1)
+                mask = _step_mask(torch.zeros_like(pos[:, 0]), pos, valid, S, window).to(kv[0].dtype)
+                step(ids, pos, mask, slots, *kv)
+
+            self._fns[key] = self._compiled("prefill", prefill)
+        return self._fns[key]
+
+    def _round_fn(self, B: int, params: SamplingParams):
+        key = ("round", B, params)
+        if key not in self._fns:
+            K, S, window, draft = self.k, self.slots, self.window, self.draft
+            step = self._step(B, K + 1)
+            depth = torch.arange(K + 1)
+
+            def round_fn(root, hist, hist_len, L, active, accept_u, expo, *kv):
+                # root [B], hist [B, S], hist_len [B], L [B], active [B] bool
+                if draft == "ngram":
+                    drafts, _ = ngram_propose(hist, hist_len, K)
+                else:
+                    drafts = hist[:, :0]
+                ids = torch.cat([root.unsqueeze(1), drafts], dim=1)  # [B, K+1]
+                pos = L.unsqueeze(1) + depth.to(L.device)
+                valid = active.unsqueeze(1).expand_as(pos)
+                slots = torch.where(valid, pos, S - 1)
+                mask = _step_mask(L, pos, valid, S, window).to(kv[0].dtype)
+                logits, _ = step(ids, pos, mask, slots, *kv)
+                noise = None if params.greedy else (accept_u, expo)
+                tokens, n = verify_chain_with_noise(
+                    logits, None, drafts, noise, params.temperature, params.top_k, params.top_p, params.min_p
+                )
+                return tokens, n
+
+            self._fns[key] = self._compiled("round", round_fn)
+        return self._fns[key]
+
+    def _cache(self, B: int):
+        if B not in self._kv:
+            self._kv[B] = new_kv_cache(self.model, B, self.slots)
+        return self._kv[B]
+
+    # ------------------------------------------------------------------------------------------
+    # generation
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 128,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        eos_token_id=None,
+        pad_token_id=None,
+        generator: torch.Generator | None = None,
+        streamer=None,
+        generation_config=None,
+    ) -> torch.Tensor:
+        """Same contract as ``model.generate``: returns prompt + new tokens [B, T + n], rows padded
+        with ``pad_token_id`` after their EOS. Left-padded batches via ``attention_mask``."""
+        gc = generation_config or self.model.generation_config
+        if generation_config is not None:
+            max_new_tokens = getattr(gc, "max_new_tokens", None) or max_new_tokens
+            do_sample = bool(getattr(gc, "do_sample", do_sample))
+            temperature = getattr(gc, "temperature", temperature) or temperature
+            top_k = getattr(gc, "top_k", top_k)
+            top_p = getattr(gc, "top_p", top_p)
+            min_p = getattr(gc, "min_p", min_p)
+        eos_token_id = eos_token_id if eos_token_id is not None else gc.eos_token_id
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        pad_token_id = pad_token_id if pad_token_id is not None else gc.pad_token_id
+        if pad_token_id is None:
+            pad_token_id = eos[0] if eos else 0
+        params = SamplingParams(temperature if do_sample else 0.0, top_k if do_sample else None,
+                                top_p if do_sample else None, min_p if do_sample else None)
+        if do_sample and temperature == 0:
+            raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy)")
+        rows = self._rows(input_ids, attention_mask, max_new_tokens)
+        self.stats = Stats()  # per call
+        if streamer is not None and len(rows) != 1:
+            raise ValueError("streamers support batch size 1 only (as in transformers)")
+        if self.fallback_reason is not None:
+            new = self._generate_eager(rows, max_new_tokens, params, eos, generator, streamer)
+        else:
+            new = self._generate_compiled(rows, max_new_tokens, params, eos, generator, streamer)
+        return self._assemble(input_ids, new, pad_token_id)
+
+    def _rows(self, input_ids, attention_mask, max_new_tokens) -> list[list[int]]:
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be a [B, T] integer tensor, got {tuple(input_ids.shape)} {input_ids.dtype}")
+        B, T = input_ids.shape
+        if B > self.max_batch_size:
+            raise ValueError(f"batch size {B} exceeds max_batch_size={self.max_batch_size}; pass a larger max_batch_size to specgraph.compile")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        vocab = self.model.get_output_embeddings().weight.shape[0] if self.model.get_output_embeddings() is not None else None
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        rows = [input_ids[b][mask[b].bool()].tolist() for b in range(B)]
+        for b, r in enumerate(rows):
+            if not r:
+                raise ValueError(f"row {b} of the batch has no tokens (attention_mask is all zeros)")
+            if vocab is not None and (min(r) < 0 or max(r) >= vocab):
+                raise ValueError(f"row {b} has token ids outside the model's vocabulary [0, {vocab})")
+            need = len(r) + max_new_tokens + self.k + 1
+            if need > self.max_seq_len:
+                raise ValueError(
+                    f"prompt length {len(r)} + max_new_tokens {max_new_tokens} + {self.k + 1} speculative slots "
+                    f"= {need} exceeds max_seq_len={self.max_seq_len}; pass a larger max_seq_len to specgraph.compile"
+                )
+        return rows
+
+    def _assemble(self, input_ids, new: list[list[int]], pad_token_id) -> torch.Tensor:
+        width = max(len(n) for n in new)
+        out = torch.full((input_ids.shape[0], width), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        for b, n in enumerate(new):
+            if n:
+                out[b, : len(n)] = torch.tensor(n, dtype=input_ids.dtype)
+        return torch.cat([input_ids, out], dim=1)
+
+    def _generate_eager(self, rows, max_new_tokens, params, eos, generator, streamer):
+        from specgraph.eager import eager_generate_ngram
+
+        new = []
+        for r in rows:
+            ids = torch.tensor([r], device=next(self.model.parameters()).device)
+            out, st = eager_generate_ngram(
+                self.model, ids, max_new_tokens=max_new_tokens, num_speculative_tokens=max(self.k, 1),
+                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                eos_token_id=eos, generator=generator,
+            )
+            new.append(out[0, len(r):].tolist())
+            self.stats.rounds += st.rounds
+            self.stats.emitted += st.emitted
+        if streamer is not None:
+            streamer.put(torch.tensor([rows[0]]))
+            streamer.put(torch.tensor(new[0]))
+            streamer.end()
+        return new
+
+    def _generate_compiled(self, rows, max_new_tokens, params, eos, generator, streamer):
+        device = next(self.model.parameters()).device
+        n_rows = len(rows)
+        B = _bucket(n_rows, self.max_batch_size)
+        S, K = self.slots, self.k
+        kv = self._cache(B)
+        start = time.perf_counter()
+        # state: committed length L (cache), root token, history (for n-gram lookup)
+        hist = torch.zeros(B, S, dtype=torch.long)
+        lens = [len(r) for r in rows] + [1] * (B - n_rows)
+        for b, r in enumerate(rows):
+            hist[b, : len(r)] = torch.tensor(r)
+        hist = hist.to(device)
+        self._prefill(B, rows, kv, device)
+        L = torch.tensor([n - 1 for n in lens], device=device)
+        root = hist.gather(1, (L).unsqueeze(1)).squeeze(1)
+        hist_len = torch.tensor(lens, device=device)
+        new = [[] for _ in range(n_rows)]
+        done = [False] * n_rows + [True] * (B - n_rows)
+        if streamer is not None:
+            streamer.put(torch.tensor([rows[0]]))
+        round_fn = self._round_fn(B, params)
+        V = self.model.get_output_embeddings().weight.shape[0]
+        while not all(done):
+            active = torch.tensor([not d for d in done], device=device)
+            if params.greedy:
+                accept_u = torch.zeros(B, K, device=device)
+                expo = torch.ones(B, K + 1, 1, device=device)
+            else:
+                accept_u, expo = chain_noise(B, K, V, device, generator)
+            tokens, n = round_fn(root, hist, hist_len, L, active, accept_u, expo, *kv)
+            tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
+            self.stats.rounds += 1
+            for b in range(n_rows):
+                if done[b]:
+                    continue
+                emitted = tokens_h[b][: n_h[b]]
+                self.stats.drafted += K
+                self.stats.accepted += n_h[b] - 1
+                while len(self.stats.accepted_at) < K:
+                    self.stats.accepted_at.append(0)
+                for j in range(n_h[b] - 1):
+                    self.stats.accepted_at[j] += 1
+                keep = emitted[: max_new_tokens - len(new[b])]
+                stop = next((i for i, t in enumerate(keep) if t in eos), None)
+                if stop is not None:
+                    keep = keep[: stop + 1]
+                new[b].extend(keep)
+                self.stats.emitted += len(keep)
+                if stop is not None or len(new[b]) >= max_new_tokens:
+                    done[b] = True
+                if streamer is not None and keep:
+                    streamer.put(torch.tensor(keep))
+            # advance device state for the rows still running (rolled-back slots are just not counted)
+            adv = torch.tensor([0 if done[b] else n_h[b] for b in range(B)], device=device)
+            pos = hist_len.unsqueeze(1) + torch.arange(K + 1, device=device)
+            write = torch.arange(K + 1, device=device).unsqueeze(0) < adv.unsqueeze(1)
+            hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens, hist[:, S - 1 :]))
+            L = L + adv
+            hist_len = hist_len + adv
+            root = torch.where(adv > 0, tokens.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
+        if streamer is not None:
+            streamer.end()
+        self.stats.seconds += time.perf_counter() - start
+        return new
+
+    def _prefill(self, B, rows, kv, device):
+        P = PREFILL_CHUNK
+        prefix = max(len(r) for r in rows) - 1  # the last prompt token is the first root
+        if prefix <= 0:
+            return
+        fn = self._prefill_fn(B)
+        for c in range(0, prefix, P):
+            ids = torch.zeros(B, P, dtype=torch.long)
+            valid = torch.zeros(B, P, dtype=torch.bool)
+            for b, r in enumerate(rows):
+                chunk = r[c: min(c + P, len(r) - 1)]
+                if chunk:
+                    ids[b, : len(chunk)] = torch.tensor(chunk)
+                    valid[b, : len(chunk)] = True
+            pos = (c + torch.arange(P)).expand(B, P).contiguous()
+            fn(ids.to(device), pos.to(device), valid.to(device), *kv)
+
+
+def compile(
+    model,
+    draft=None,
+    *,
+    num_speculative_tokens: int = 4,
+    tree=None,
+    backend: str = "inductor",
+    max_batch_size: int = 8,
+    max_seq_len: int = 2048,
+) -> SpecGraphModel:
+    """Compile ``model`` (an HF causal LM in eval mode) for speculative generation.
+
+    ``draft``: None (compiled plain decoding) or ``"ngram"`` (prompt lookup). ``backend="eager"``
+    runs the same rewritten graphs without torch.compile. Graphs are captured and compiled lazily,
+    on first use of each (batch bucket, shape).
+    """
+    return SpecGraphModel(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len)
