@@ -1,0 +1,122 @@
+"""End-to-end generation speed on SmolLM2-135M-Instruct (fp32, batch 1), methods interleaved in one process.
+
+Methods: HF generate plain; HF prompt lookup (prompt_lookup_num_tokens=3 and 10); specgraph without
+draft (compiled plain decoding); specgraph "ngram" chain. For each prompt and method: median
+tokens/s over --runs, the ratio to HF plain on the same prompt, mean emitted tokens per round, and
+greedy equality with HF plain. Prints a table and writes JSON.
+
+    OMP_WAIT_POLICY=PASSIVE MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \
+    MALLOC_TOP_PAD_=1073741824 python benchmarks/generate_bench.py --out benchmarks/results/generate_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import specgraph
+from specgraph.models import load_model
+
+PROMPTS = {
+    "code": "Write a Python class `Stack` with push, pop, peek and is_empty methods, each with a docstring, "
+            "then write unit tests for every method using unittest.",
+    "summarize": "Summarize the following paragraph in three sentences, reusing its key terms.\n\n"
+                 "Speculative decoding speeds up autoregressive generation by letting a cheap draft propose "
+                 "several tokens that the target model verifies in a single forward pass. Verification uses "
+                 "rejection sampling, so the output distribution is exactly the target model's distribution. "
+                 "The speedup depends on the acceptance rate of the drafted tokens and on how cheap the draft is "
+                 "compared with the target model.",
+    "chat": "Hi! I'm planning a weekend trip to the mountains. What should I pack? Please give a list.",
+    "math": "Solve step by step: a train travels 120 km in 1.5 hours, then 80 km in 1 hour. "
+            "What is its average speed over the whole trip? Show each step.",
+}
+
+
+def _ids(tok, prompt):
+    enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+    return enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4, help="speculative tokens for specgraph ngram")
+    ap.add_argument("--prompts", default=",".join(PROMPTS))
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--out", default="benchmarks/results/generate_bench.json")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    model, tok = load_model(args.model)
+    eos = model.generation_config.eos_token_id
+    pad = model.generation_config.pad_token_id or eos
+    N = args.max_new_tokens
+    sg_plain = specgraph.compile(model, None, backend=args.backend, max_batch_size=1, max_seq_len=1024)
+    sg_ngram = specgraph.compile(model, "ngram", num_speculative_tokens=args.k, backend=args.backend,
+                                 max_batch_size=1, max_seq_len=1024)
+
+    def hf(ids, **kw):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
+                             pad_token_id=pad, eos_token_id=eos, **kw)
+        return out, None
+
+    def sg(fast):
+        def run(ids):
+            out = fast.generate(ids, max_new_tokens=N, eos_token_id=eos, pad_token_id=pad)
+            return out, fast.stats.as_dict()["mean_emitted_per_round"]
+        return run
+
+    methods = {
+        "hf_plain": lambda ids: hf(ids),
+        "hf_prompt_lookup_3": lambda ids: hf(ids, prompt_lookup_num_tokens=3),
+        "hf_prompt_lookup_10": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
+        "specgraph_plain": sg(sg_plain),
+        f"specgraph_ngram_k{args.k}": sg(sg_ngram),
+    }
+    rows = []
+    for pname in args.prompts.split(","):
+        ids = _ids(tok, PROMPTS[pname])
+        with torch.no_grad():
+            for name, fn in methods.items():  # warm-up (compiles specgraph graphs on first use)
+                t0 = time.perf_counter()
+                fn(ids)
+                print(f"[warm-up] {pname} {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            times = {m: [] for m in methods}
+            outs, emitted = {}, {}
+            for _ in range(args.runs):
+                for name, fn in methods.items():
+                    t0 = time.perf_counter()
+                    out, em = fn(ids)
+                    dt = time.perf_counter() - t0
+                    times[name].append((out.shape[1] - ids.shape[1]) / dt)
+                    outs[name], emitted[name] = out, em
+        base = statistics.median(times["hf_plain"])
+        for name in methods:
+            tps = statistics.median(times[name])
+            rows.append({
+                "prompt": pname, "method": name, "tokens_per_s": tps, "ratio_vs_hf_plain": tps / base,
+                "mean_emitted_per_round": emitted[name], "new_tokens": outs[name].shape[1] - ids.shape[1],
+                "greedy_equal_hf": bool(outs[name].shape == outs["hf_plain"].shape and torch.equal(outs[name], outs["hf_plain"])),
+                "runs": times[name],
+            })
+            r = rows[-1]
+            em = "-" if r["mean_emitted_per_round"] is None else f"{r['mean_emitted_per_round']:.2f}"
+            print(f"{pname:<10} {name:<22} {tps:8.1f} tok/s {r['ratio_vs_hf_plain']:6.2f}x  emitted/round {em:>5}  "
+                  f"equal={r['greedy_equal_hf']}", flush=True)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "max_new_tokens": N, "runs": args.runs,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "backend": args.backend}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
