@@ -102,7 +102,7 @@ def check_supported(model) -> None:
     if getattr(c, "is_encoder_decoder", False):
         raise UnsupportedModel("encoder-decoder models are not supported (causal LMs only)")
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in ("sdpa", "eager"):
+    if impl != "sdpa":  # the mask pass rewrites SDPA calls; anything else is served by the eager fallback
         raise UnsupportedModel(f"attention implementation {impl!r} is not supported; load with attn_implementation='sdpa'")
     window = getattr(c, "sliding_window", None)
     layer_types = getattr(c, "layer_types", None) or []

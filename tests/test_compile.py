@@ -1,0 +1,448 @@
+"""End-to-end tests of ``specgraph.compile`` against ``model.generate``, plus the step passes.
+
+Greedy decoding has exactly one right answer, so every test compares token for token with
+transformers' own ``generate`` (left-padded batches, explicit ``attention_mask``, a pad id that
+never occurs in the prompts) on tiny randomly initialised models of eight architectures. Most
+tests use ``backend="eager"`` (the same captured + rewritten graphs, without ``torch.compile``)
+to stay fast; one test runs the inductor backend.
+
+The equality tests are shown to have power: a deliberately broken step mask makes them fail.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import specgraph
+import specgraph.compiler as sg_compiler
+from specgraph.capture import capture_step, new_kv_cache
+from specgraph.passes import run_step_pipeline, safe_dce_pass, tree_attention_pass
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*past_key_values.*deprecated:FutureWarning",  # transformers 5.x rename (cache=), harmless here
+)
+
+PAD = 127  # last id of the 128-token tiny vocabularies; prompts below only use ids 2..99
+NEG = float("-inf")
+
+# Tiny configs: 2 layers, hidden 64, vocab 128 (GQA where the architecture has it).
+TINY = dict(
+    llama=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256),
+    mistral=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=256),
+    qwen2=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256),
+    gpt2=dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=256),
+    gpt_neox=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  vocab_size=128, max_position_embeddings=256, rotary_pct=0.25),
+    phi3=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, pad_token_id=0),
+    gemma=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=1, head_dim=16, vocab_size=128, max_position_embeddings=256),
+    opt=dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+             max_position_embeddings=256, word_embed_proj_dim=64, pad_token_id=1),
+)
+ARCHS = list(TINY)
+
+MAX_NEW = 20
+MAX_SEQ = 96  # longest prompt (37) + MAX_NEW + K + 1 fits
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only add overhead."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_model(arch: str, attn: str = "sdpa", seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(arch, **TINY[arch])
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
+    # No default EOS on either side: model.generate falls back to generation_config.eos_token_id when
+    # none is passed, and so does SpecGraphModel.generate when eos_token_id=None. (Passing
+    # eos_token_id=None explicitly to model.generate disables EOS, whereas specgraph reads None as
+    # "use the config" - so the tests pass EOS explicitly when they want one.)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), PAD, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, T - len(r):] = torch.tensor(r)
+        mask[b, T - len(r):] = 1
+    return ids, mask
+
+
+def repeated(pattern: list[int], length: int) -> list[int]:
+    return (pattern * (length // len(pattern) + 1))[:length]
+
+
+# B = 1: a repeated 4-token pattern. B = 4: different lengths (37 > the 32-token prefill chunk, so
+# prefill takes two chunks; 1 = no prefill at all for that row), with repetitions so n-gram drafts
+# get accepted some of the time.
+PROMPT_1 = [repeated([11, 42, 7, 93], 13)]
+PROMPTS_4 = [
+    repeated([17, 64, 3, 88, 25], 37),
+    repeated([50, 9], 5),
+    repeated([71, 33, 71, 2, 98, 46], 12),
+    [80],
+]
+
+
+def hf_generate(model, ids, mask, max_new_tokens=MAX_NEW, eos_token_id=None):
+    kw = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
+    return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                          pad_token_id=PAD, **kw)
+
+
+def sg_generate(fast, ids, mask, max_new_tokens=MAX_NEW, eos_token_id=None):
+    return fast.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=PAD, eos_token_id=eos_token_id)
+
+
+@torch.no_grad()
+def explain_mismatch(model, ids, mask, ref, out) -> str:
+    """First diverging (row, step), and the reference logit gap there: a gap ~1e-6 means an fp32
+    near-tie (both answers are 'right'), a large gap means a real bug (mask, positions, cache)."""
+    if ref.shape != out.shape:
+        return f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    T = ids.shape[1]
+    diff = (ref != out).nonzero()
+    b, t = (int(v) for v in diff[0])
+    if t < T:
+        return f"prompt part changed at row {b}, col {t}"
+    prefix = ref[b:b + 1, :t]
+    am = torch.cat([mask[b:b + 1], torch.ones(1, t - T, dtype=mask.dtype)], dim=1)
+    pos = (am.cumsum(-1) - 1).clamp_min(0)
+    logits = model(input_ids=prefix, attention_mask=am, position_ids=pos).logits[0, -1]
+    top = logits.topk(2)
+    return (f"row {b} diverges at new token {t - T}: reference {int(ref[b, t])}, specgraph {int(out[b, t])}; "
+            f"reference logit top-2 gap {float(top.values[0] - top.values[1]):.3g}, "
+            f"logit(specgraph's token) - max = {float(logits[out[b, t]] - top.values[0]):.3g}")
+
+
+def assert_same(model, ids, mask, ref, out, what=""):
+    if not torch.equal(ref, out):
+        pytest.fail(f"{what}: specgraph != model.generate\n{explain_mismatch(model, ids, mask, ref, out)}\n"
+                    f"reference:\n{ref[:, ids.shape[1]:]}\nspecgraph:\n{out[:, ids.shape[1]:]}")
+
+
+def pick_eos_batch(new: torch.Tensor) -> int:
+    """A generated token that stops some row early while another row runs on past it (so padding
+    after EOS and per-row stopping are both exercised); first such token in row-major order."""
+    n = new.shape[1]
+
+    def first(row, tok):
+        hits = (new[row] == tok).nonzero()
+        return int(hits[0]) if len(hits) else n
+
+    for tok in new.flatten().tolist():
+        stops = [first(r, tok) for r in range(new.shape[0])]
+        if tok != PAD and min(stops) < n - 1 and max(stops) > min(stops):
+            return tok
+    raise AssertionError(f"no usable EOS candidate in {new}")
+
+
+def pick_eos_single(new: torch.Tensor) -> int:
+    """The token whose first occurrence is latest (the longest run before stopping)."""
+    row = new[0].tolist()
+    return max(set(row), key=row.index)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. greedy equality with model.generate, 8 architectures x {plain, n-gram}, batch 1 and 4, EOS
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_hf_generate(arch, draft):
+    model = tiny_model(arch)
+    fast = specgraph.compile(model, draft, num_speculative_tokens=4, backend="eager",
+                             max_batch_size=4, max_seq_len=MAX_SEQ)
+    assert fast.fallback_reason is None
+    accepted = 0
+    for rows in (PROMPT_1, PROMPTS_4):
+        ids, mask = left_pad(rows)
+        assert not (ids[mask.bool()] == PAD).any()
+        ref = hf_generate(model, ids, mask)
+        out = sg_generate(fast, ids, mask)
+        assert_same(model, ids, mask, ref, out, f"{arch} draft={draft} B={len(rows)}")
+        assert fast.stats.emitted == MAX_NEW * len(rows)
+        accepted += fast.stats.accepted
+        if draft is None:
+            assert fast.stats.accepted == 0 and fast.stats.rounds == MAX_NEW
+
+        # EOS: a token the model really generates; rows padded with PAD after their EOS, as HF does.
+        new = ref[:, ids.shape[1]:]
+        eos = pick_eos_single(new) if len(rows) == 1 else pick_eos_batch(new)
+        ref_eos = hf_generate(model, ids, mask, eos_token_id=eos)
+        out_eos = sg_generate(fast, ids, mask, eos_token_id=eos)
+        assert_same(model, ids, mask, ref_eos, out_eos, f"{arch} draft={draft} B={len(rows)} eos={eos}")
+        assert (ref_eos[:, ids.shape[1]:] == eos).any()
+        if len(rows) > 1:
+            assert (ref_eos[:, ids.shape[1]:] == PAD).any(), "EOS choice should leave padding in some row"
+    if draft == "ngram":
+        assert accepted > 0, f"{arch}: no n-gram draft was ever accepted"
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. the inductor backend
+
+
+def test_inductor_llama_ngram_batch2():
+    model = tiny_model("llama")
+    fast = specgraph.compile(model, "ngram", backend="inductor", max_batch_size=2, max_seq_len=64)
+    ids, mask = left_pad([repeated([5, 6, 7], 8), repeated([124, 119], 10)])
+    ref = hf_generate(model, ids, mask, max_new_tokens=16)
+    out = sg_generate(fast, ids, mask, max_new_tokens=16)
+    assert_same(model, ids, mask, ref, out, "inductor llama ngram B=2")
+    assert fast.stats.accepted > 0
+    out2 = sg_generate(fast, ids, mask, max_new_tokens=16)  # compiled graphs and KV cache reused
+    assert torch.equal(out2, ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. acceptance regression, and power of the equality test
+
+
+def test_ngram_acceptance_on_periodic_continuation():
+    """Tiny llama (seed 0) continues ``124 119 124 119 ...`` with the same period-2 pattern, so every
+    valid n-gram draft is right. The drafter continues the latest earlier match, which here yields 2
+    known tokens per round -> 3 emitted per round. A KV/mask bug would change the continuation or
+    collapse acceptance toward 1 token per round."""
+    model = tiny_model("llama")
+    pattern = [124, 119]
+    ids, mask = left_pad([pattern * 4])
+    ref = hf_generate(model, ids, mask, max_new_tokens=24)
+    assert ref[0, ids.shape[1]:].tolist() == pattern * 12, "precondition: the greedy continuation is periodic"
+    fast = specgraph.compile(model, "ngram", backend="eager", max_batch_size=1, max_seq_len=64)
+    out = sg_generate(fast, ids, mask, max_new_tokens=24)
+    assert_same(model, ids, mask, ref, out, "periodic llama")
+    d = fast.stats.as_dict()
+    assert d["mean_emitted_per_round"] > 1.5, d
+    assert d["acceptance_per_position"][0] > 0.9, d
+
+
+def _hide_in_step_ancestors(orig):
+    """Queries no longer see the earlier tokens of their own step (root / previous drafts)."""
+    def broken(L, q_pos, valid, S, window):
+        m = orig(L, q_pos, valid, S, window)
+        s = torch.arange(S, device=L.device).view(1, 1, S)
+        tree = (s >= L.view(-1, 1, 1)) & (s < q_pos.unsqueeze(-1))
+        return m.masked_fill(tree.unsqueeze(1), NEG)
+    return broken
+
+
+def _hide_last_committed(orig):
+    """Off-by-one in the committed length: slot L-1 is hidden from every query."""
+    def broken(L, q_pos, valid, S, window):
+        m = orig(L, q_pos, valid, S, window)
+        s = torch.arange(S, device=L.device).view(1, 1, S)
+        return m.masked_fill((s == L.view(-1, 1, 1) - 1).unsqueeze(1), NEG)
+    return broken
+
+
+@pytest.mark.parametrize("breakage", [_hide_in_step_ancestors, _hide_last_committed])
+def test_broken_mask_breaks_greedy_equality(monkeypatch, breakage):
+    model = tiny_model("llama")
+    ids, mask = left_pad(PROMPTS_4)
+    ref = hf_generate(model, ids, mask)
+    fast = specgraph.compile(model, "ngram", backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
+    assert torch.equal(sg_generate(fast, ids, mask), ref)  # control: the real mask
+    monkeypatch.setattr(sg_compiler, "_step_mask", breakage(sg_compiler._step_mask))
+    out = sg_generate(fast, ids, mask)  # same captured graphs; only the mask input differs
+    assert out.shape == ref.shape
+    assert not torch.equal(out, ref), f"{breakage.__name__} went unnoticed"
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. passes
+
+
+def _prefill_tree_step(tree, P: int, S: int, B: int, seed: int = 1):
+    """Inputs of one step = P prefix tokens (causal) followed by the N tree nodes (prefix + ancestors)."""
+    N = tree.num_nodes
+    Q = P + N
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 100, (B, Q), generator=g)
+    pos = torch.cat([torch.arange(P), P + tree.depth]).expand(B, Q).contiguous()
+    vis = torch.zeros(Q, S, dtype=torch.bool)
+    vis[:P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
+    vis[P:, :P] = True
+    vis[P:, P:Q] = tree.ancestors
+    mask = torch.zeros(B, 1, Q, S).masked_fill(~vis, NEG)
+    slots = torch.arange(Q).expand(B, Q).contiguous()
+    return ids, pos, mask, slots
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
+@torch.no_grad()
+def test_tree_attention_pass_parity_with_full_forward(arch):
+    model = tiny_model(arch)
+    tree = specgraph.TreeSpec.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    P, S, B = 5, 16, 2
+    Q = P + tree.num_nodes
+    gm = capture_step(model, B, Q, S)
+    gm, n = tree_attention_pass(gm)
+    assert n == model.config.num_hidden_layers
+    gm, _ = safe_dce_pass(gm)
+    ids, pos, mask, slots = _prefill_tree_step(tree, P, S, B)
+    kv = new_kv_cache(model, B, S)
+    logits, _ = gm(ids, pos, mask, slots, *kv)
+    for b in range(B):
+        ref = model(input_ids=ids[b:b + 1, :P]).logits[0]
+        torch.testing.assert_close(logits[b, :P], ref, atol=1e-5, rtol=0)
+        for i in range(tree.num_nodes):
+            path = P + tree.ancestors[i].nonzero().flatten()  # root .. node i
+            full = torch.cat([ids[b, :P], ids[b, path]])
+            ref = model(input_ids=full[None]).logits[0, -1]
+            torch.testing.assert_close(logits[b, P + i], ref, atol=1e-5, rtol=0, msg=f"row {b}, tree node {i}")
+    # the cache writes survived the pipeline: slots 0..Q-1 written, the rest untouched
+    for t in kv:
+        written = t.abs().sum(dim=(1, 3)) > 0  # [B, S]
+        assert written[:, :Q].all() and not written[:, Q:].any()
+
+
+def test_tree_attention_pass_rewires_model_built_mask():
+    """On a graph whose SDPA call uses its own causal masking, the pass substitutes the mask input."""
+    g = fx.Graph()
+    q, k, v, mask = (g.placeholder(n) for n in ("q", "k", "v", "mask"))
+    out = g.call_function(torch.nn.functional.scaled_dot_product_attention, (q, k, v), {"is_causal": True})
+    g.output(out)
+    gm, n = tree_attention_pass(fx.GraphModule(torch.nn.Module(), g))
+    assert n == 1
+    q_, k_, v_ = (torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    m = torch.zeros(1, 1, 4, 4).masked_fill(~specgraph.ancestor_mask([-1, 0, 0, 1]), NEG)
+    expect = torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, attn_mask=m)
+    torch.testing.assert_close(gm(q_, k_, v_, m), expect)
+    with pytest.raises(ValueError, match="no scaled_dot_product_attention"):
+        g2 = fx.Graph()
+        x = g2.placeholder("mask")
+        g2.output(g2.call_function(torch.relu, (x,)))
+        tree_attention_pass(fx.GraphModule(torch.nn.Module(), g2))
+
+
+def test_safe_dce_keeps_unused_inplace_scatter():
+    g = fx.Graph()
+    x, idx, src = (g.placeholder(n) for n in ("x", "idx", "src"))
+    g.call_method("scatter_", (x, 0, idx, src))  # result unused: only its side effect matters
+    dead = g.call_function(torch.mul, (x, 3.0))  # truly dead
+    g.output(g.call_function(torch.add, (x, 1.0)))
+    del dead
+    gm = fx.GraphModule(torch.nn.Module(), g)
+
+    plain = copy.deepcopy(gm)
+    plain.graph.eliminate_dead_code()
+    assert not any(n.target == "scatter_" for n in plain.graph.nodes), "FX DCE now keeps it: update this test"
+
+    safe, removed = safe_dce_pass(copy.deepcopy(gm))
+    assert removed == 1
+    assert any(n.target == "scatter_" for n in safe.graph.nodes)
+    assert not any(n.target is torch.mul for n in safe.graph.nodes)
+    buf = torch.zeros(4)
+    res = safe(buf, torch.tensor([2]), torch.tensor([5.0]))
+    assert buf.tolist() == [0.0, 0.0, 5.0, 0.0]
+    assert res.tolist() == [1.0, 1.0, 6.0, 1.0]
+
+
+@torch.no_grad()
+def test_pipeline_keeps_kv_writes_of_captured_step():
+    model = tiny_model("llama")
+    B, Q, S = 1, 3, 8
+    gm, counts = run_step_pipeline(capture_step(model, B, Q, S))
+    assert counts["tree_attention_pass"] == model.config.num_hidden_layers
+    assert sum(n.target == torch.ops.aten.scatter_.src for n in gm.graph.nodes) == 2 * model.config.num_hidden_layers
+    ids = torch.tensor([[5, 6, 7]])
+    pos = torch.arange(Q)[None]
+    mask = torch.zeros(B, 1, Q, S).masked_fill(~torch.ones(Q, S, dtype=torch.bool).tril(), NEG)
+    kv = new_kv_cache(model, B, S)
+    gm(ids, pos, mask, pos.clone(), *kv)
+    ref = model(input_ids=ids, use_cache=True)
+    cache = getattr(ref, "cache", None) or ref.past_key_values
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(kv[2 * layer][:, :, :Q], cache.layers[layer].keys, atol=1e-6, rtol=0)
+        torch.testing.assert_close(kv[2 * layer + 1][:, :, :Q], cache.layers[layer].values, atol=1e-6, rtol=0)
+        assert not kv[2 * layer][:, :, Q:].any()
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. bad input, and the eager fallback
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def _ids(*rows):
+    return torch.tensor(rows)
+
+
+def test_rejects_batch_above_max_batch_size(llama):
+    fast = specgraph.compile(llama, backend="eager", max_batch_size=2, max_seq_len=64)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        fast.generate(_ids([5, 6], [7, 8], [9, 10]), max_new_tokens=2)
+
+
+def test_rejects_too_long_for_max_seq_len(llama):
+    fast = specgraph.compile(llama, "ngram", backend="eager", max_seq_len=16)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        fast.generate(_ids(list(range(2, 12))), max_new_tokens=10)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(draft="medusa"), "draft"),
+    (dict(draft="ngram", tree=[(0,), (1,)]), "tree"),
+    (dict(draft="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
+])
+def test_rejects_bad_compile_arguments(llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        specgraph.compile(llama, backend="eager", **kwargs)
+
+
+def test_rejects_model_in_training_mode():
+    model = tiny_model("llama").train()
+    with pytest.raises(ValueError, match="eval"):
+        specgraph.compile(model, backend="eager")
+
+
+@pytest.mark.parametrize("bad", [128, -1])
+def test_rejects_token_ids_outside_vocab(llama, bad):
+    fast = specgraph.compile(llama, backend="eager", max_seq_len=64)
+    with pytest.raises(ValueError, match="vocabulary"):
+        fast.generate(_ids([5, bad, 7]), max_new_tokens=2)
+
+
+def test_rejects_streamer_with_batch(llama):
+    class Streamer:
+        def put(self, value):
+            raise AssertionError("must not be called")
+
+        def end(self):
+            raise AssertionError("must not be called")
+
+    fast = specgraph.compile(llama, backend="eager", max_seq_len=64)
+    with pytest.raises(ValueError, match="batch size 1"):
+        fast.generate(_ids([5, 6], [7, 8]), max_new_tokens=2, streamer=Streamer())
+
+
+def test_eager_attention_falls_back_with_warning_and_stays_exact():
+    model = tiny_model("llama", attn="eager")
+    with pytest.warns(UserWarning, match="falling back to the eager path"):
+        fast = specgraph.compile(model, "ngram", backend="eager", max_seq_len=64)
+    assert fast.fallback_reason is not None
+    ids, mask = left_pad(PROMPT_1)
+    ref = hf_generate(model, ids, mask)
+    out = sg_generate(fast, ids, mask)
+    assert_same(model, ids, mask, ref, out, "eager-attention fallback")
