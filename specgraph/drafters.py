@@ -14,8 +14,8 @@ def ngram_propose(
     """Prompt lookup: continue the most recent earlier occurrence of the longest matching suffix.
 
     For n = max_ngram .. min_ngram, the last n tokens of each row are searched for in the row's
-    history; the latest occurrence that is followed by at least one known token wins, and the k
-    tokens after it are proposed. Rows with no match (or positions past the known history) are
+    history; the latest occurrence followed by k known tokens wins (else the latest followed by at
+    least one), and the k tokens after it are proposed. Rows with no match (or positions past the known history) are
     filled with the row's last token, which verification simply rejects.
 
     Returns ``drafts`` [B, k] long and ``matched`` [B] long: the n-gram length that matched (0 = none).
@@ -40,7 +40,12 @@ def ngram_propose(
         # a match must be followed by a known token; this also excludes the suffix itself
         ok = (windows == suffix.unsqueeze(1)).all(-1) & (starts.unsqueeze(0) + n < lengths.unsqueeze(1))
         ok &= (lengths >= n + 1).unsqueeze(1)
-        cand = torch.where(ok, starts.unsqueeze(0), -1).amax(dim=1)  # latest match
+        latest = torch.where(ok, starts.unsqueeze(0), -1).amax(dim=1)
+        # prefer the latest match followed by k known tokens (on short periodic text the very latest
+        # match runs into the end of the history after a token or two)
+        full = ok & (starts.unsqueeze(0) + n + k <= lengths.unsqueeze(1))
+        latest_full = torch.where(full, starts.unsqueeze(0), -1).amax(dim=1)
+        cand = torch.where(latest_full >= 0, latest_full, latest)
         found = cand >= 0
         best_start = torch.where(found, cand + n, best_start)
         matched = torch.where(found, n, matched)
