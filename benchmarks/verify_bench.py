@@ -88,6 +88,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/verify_bench.json")
     args = ap.parse_args(argv)
+    # every case compiles the same inner functions with new shapes/flags; without this, dynamo stops
+    # compiling after 8 variants and silently runs the rest eagerly.
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     device = torch.device(args.device)
     batches = [int(x) for x in args.batches.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
