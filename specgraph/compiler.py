@@ -15,42 +15,18 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 
 from specgraph.capture import UnsupportedModel, capture_step, check_supported, new_kv_cache
 from specgraph.drafters import ngram_propose
+from specgraph.eager import GenerationStats as Stats
 from specgraph.passes import run_step_pipeline
 from specgraph.verify import chain_noise, verify_chain_with_noise
 from specgraph.warping import SamplingParams
 
 NEG_INF = float("-inf")
 PREFILL_CHUNK = 32
-
-
-@dataclass
-class Stats:
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    seconds: float = 0.0
-    accepted_at: list = field(default_factory=list)  # per draft position: number of rows*rounds accepted
-
-    def as_dict(self) -> dict:
-        r = max(self.rounds, 1)
-        return {
-            "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "emitted": self.emitted,
-            "mean_emitted_per_round": self.emitted / r,
-            "acceptance_per_position": [a / r for a in self.accepted_at],
-            "tokens_per_s": self.emitted / self.seconds if self.seconds else 0.0,
-        }
-
-    def __repr__(self) -> str:
-        d = self.as_dict()
-        return (f"Stats(rounds={d['rounds']}, emitted={d['emitted']}, mean_emitted_per_round={d['mean_emitted_per_round']:.2f}, "
-                f"accepted={d['accepted']}/{d['drafted']}, tokens_per_s={d['tokens_per_s']:.1f})")
 
 
 def _bucket(b: int, max_batch: int) -> int:

@@ -47,6 +47,10 @@ class GenerationStats:
         for j in range(n_acc):
             self.accepted_at[j] += 1
 
+    def __repr__(self) -> str:
+        return (f"Stats(rounds={self.rounds}, emitted={self.emitted}, mean_emitted_per_round={self.mean_emitted:.2f}, "
+                f"accepted={self.accepted}/{self.drafted}, tokens_per_s={self.tokens_per_s:.1f})")
+
     def as_dict(self) -> dict:
         return {
             "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "emitted": self.emitted,
