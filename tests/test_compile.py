@@ -53,13 +53,6 @@ MAX_NEW = 20
 MAX_SEQ = 96  # longest prompt (37) + MAX_NEW + K + 1 fits
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models on a shared 2-core machine: intra-op threads only add overhead."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny_model(arch: str, attn: str = "sdpa", seed: int = 0):

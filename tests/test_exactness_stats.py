@@ -90,14 +90,6 @@ HYP = dict(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are small (<= a few million elements): one intra-op thread is as fast as two on
-    an idle 2-core runner and much faster on a busy one (no OpenMP spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ==============================================================================================

@@ -18,13 +18,6 @@ from specgraph.perfmodel import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: intra-op threads only add overhead (a lot of it on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("beta, c, expected", [(0.8, 0.05, 2.95), (0.9, 0.10, 3.12), (0.5, 0.15, 1.12)])

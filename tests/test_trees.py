@@ -11,13 +11,6 @@ from specgraph import TreeSpec, ancestor_mask, tree_from_paths, tree_positions
 HYP = settings(derandomize=True, max_examples=60, deadline=None, database=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: intra-op threads only add overhead (a lot of it on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @st.composite

@@ -20,13 +20,6 @@ HYP = settings(derandomize=True, max_examples=40, deadline=None, database=None)
 NEG = float("-inf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: intra-op threads only add overhead (a lot of it on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _gen(seed: int) -> torch.Generator:

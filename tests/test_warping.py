@@ -17,13 +17,6 @@ from specgraph import SamplingParams, is_greedy, warp_logits, warped_probs
 V = 97  # deliberately not a power of two
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: intra-op threads only add overhead (a lot of it on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _hf_warp(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
