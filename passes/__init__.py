@@ -4,7 +4,8 @@ The pipeline, in order (see :func:`run_step_pipeline`):
 
 1. ``tree_attention_pass`` - every SDPA call reads the explicit additive mask input (prefix + tree
    ancestors), replacing the model's own causal-mask construction.
-2. ``safe_dce_pass`` - drop what step 1 made dead, keeping the in-place KV cache writes.
+2. ``gqa_fold_pass`` - grouped-query attention reads the cache once instead of repeating K/V heads.
+3. ``safe_dce_pass`` - drop what steps 1-2 made dead, keeping the in-place KV cache writes.
 
 Capture itself (the static KV cache with per-row write slots) is :mod:`specgraph.capture`.
 """
@@ -14,8 +15,9 @@ import torch.fx as fx
 
 from .attention import attention_nodes, tree_attention_pass
 from .dce import safe_dce_pass
+from .gqa import gqa_fold_pass
 
-STEP_PIPELINE = (tree_attention_pass, safe_dce_pass)
+STEP_PIPELINE = (tree_attention_pass, gqa_fold_pass, safe_dce_pass)
 
 
 def run_step_pipeline(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, int]]:
@@ -27,4 +29,4 @@ def run_step_pipeline(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, int
     return gm, counts
 
 
-__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "safe_dce_pass", "attention_nodes"]
+__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "gqa_fold_pass", "safe_dce_pass", "attention_nodes"]

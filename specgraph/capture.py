@@ -5,7 +5,7 @@ tensor-backed cache (:class:`SlotCache`) and an explicit additive 4-D float mask
 
 * transformers (>= 5) passes a prepared 4-D mask straight to the attention functions, so the
   captured graph has no causal-mask construction to fight, and every SDPA call reads the mask input;
-* the cache writes are in-place ``scatter_`` on the K/V inputs at caller-given slots, per row, so
+* the cache writes are in-place ``index_put_`` on the K/V inputs at caller-given slots, per row, so
   rollback is free (rejected slots are masked and later overwritten) and rows of a batch advance
   independently;
 * non-strict export takes ~1 s on tiny models (strict dynamo export works too but is slower, and
@@ -39,10 +39,11 @@ class SlotLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        B, H, Q, _ = key_states.shape
-        idx = self.slots[:, None, :, None]
-        self.keys.scatter_(2, idx.expand(B, H, Q, key_states.shape[-1]), key_states)
-        self.values.scatter_(2, idx.expand(B, H, Q, value_states.shape[-1]), value_states)
+        # index_put_ (not scatter_): Inductor re-inplaces index_put on graph inputs, whereas a
+        # functionalized scatter_ copies the whole cache twice per layer per step.
+        rows = torch.arange(key_states.shape[0], device=self.slots.device).unsqueeze(1)  # [B, 1]
+        self.keys[rows, :, self.slots] = key_states.transpose(1, 2)  # [B, Q, H, D] at [b, :, slot]
+        self.values[rows, :, self.slots] = value_states.transpose(1, 2)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length):

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from specgraph.capture import UnsupportedModel, capture_step, check_supported, new_kv_cache
+from specgraph.capture import Step, UnsupportedModel, capture_step, check_supported, new_kv_cache
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.passes import run_step_pipeline
@@ -26,7 +26,6 @@ from specgraph.verify import chain_noise, verify_chain_with_noise
 from specgraph.warping import SamplingParams
 
 NEG_INF = float("-inf")
-PREFILL_CHUNK = 32
 
 
 def _bucket(b: int, max_batch: int) -> int:
@@ -87,6 +86,7 @@ class SpecGraphModel:
         self.window = getattr(cfg, "sliding_window", None) if types and all(t == "sliding_attention" for t in types) else None
         if self.window is None and getattr(cfg, "sliding_window", None) and not types and getattr(cfg, "use_sliding_window", True):
             self.window = cfg.sliding_window
+        self._eager_step = Step(model)
         self._steps: dict = {}
         self._fns: dict = {}
         self._kv: dict = {}
@@ -108,19 +108,6 @@ class SpecGraphModel:
         if self.backend == "eager":
             return fn
         return torch.compile(fn, dynamic=False, fullgraph=True)
-
-    def _prefill_fn(self, B: int):
-        key = ("prefill", B)
-        if key not in self._fns:
-            step, S, window = self._step(B, PREFILL_CHUNK), self.slots, self.window
-
-            def prefill(ids, pos, valid, *kv):  # [B, P] x2, [B, P] bool
-                slots = torch.where(valid, pos, S - 1)
-                mask = _step_mask(torch.zeros_like(pos[:, 0]), pos, valid, S, window).to(kv[0].dtype)
-                step(ids, pos, mask, slots, *kv)
-
-            self._fns[key] = self._compiled("prefill", prefill)
-        return self._fns[key]
 
     def _round_fn(self, B: int, params: SamplingParams):
         key = ("round", B, params)
@@ -325,21 +312,24 @@ class SpecGraphModel:
         return new
 
     def _prefill(self, B, rows, kv, device):
-        P = PREFILL_CHUNK
-        prefix = max(len(r) for r in rows) - 1  # the last prompt token is the first root
-        if prefix <= 0:
+        """Write every prompt token but the last (the first root) into the cache.
+
+        Runs the unmodified model eagerly through :class:`specgraph.capture.Step` with the same
+        tensor-backed cache: one call for any prompt length, no compile per prompt shape, and the
+        same kernels HF's own prefill uses. Padding positions write to the scratch slot.
+        """
+        P = max(len(r) for r in rows) - 1
+        if P <= 0:
             return
-        fn = self._prefill_fn(B)
-        for c in range(0, prefix, P):
-            ids = torch.zeros(B, P, dtype=torch.long)
-            valid = torch.zeros(B, P, dtype=torch.bool)
-            for b, r in enumerate(rows):
-                chunk = r[c: min(c + P, len(r) - 1)]
-                if chunk:
-                    ids[b, : len(chunk)] = torch.tensor(chunk)
-                    valid[b, : len(chunk)] = True
-            pos = (c + torch.arange(P)).expand(B, P).contiguous()
-            fn(ids.to(device), pos.to(device), valid.to(device), *kv)
+        ids = torch.zeros(B, P, dtype=torch.long)
+        valid = torch.zeros(B, P, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            ids[b, : len(r) - 1] = torch.tensor(r[:-1])
+            valid[b, : len(r) - 1] = True
+        ids, valid = ids.to(device), valid.to(device)
+        pos = torch.arange(P, device=device).expand(B, P).contiguous()
+        mask = _step_mask(torch.zeros(B, dtype=torch.long, device=device), pos, valid, self.slots, self.window)
+        self._eager_step(ids, pos, mask.to(kv[0].dtype), torch.where(valid, pos, self.slots - 1), *kv)
 
 
 def compile(

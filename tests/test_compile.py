@@ -81,8 +81,8 @@ def repeated(pattern: list[int], length: int) -> list[int]:
     return (pattern * (length // len(pattern) + 1))[:length]
 
 
-# B = 1: a repeated 4-token pattern. B = 4: different lengths (37 > the 32-token prefill chunk, so
-# prefill takes two chunks; 1 = no prefill at all for that row), with repetitions so n-gram drafts
+# B = 1: a repeated 4-token pattern. B = 4: different lengths (37, 5, 12 and 1: prefill pads rows to
+# the longest, 1 = no prefill at all for that row), with repetitions so n-gram drafts
 # get accepted some of the time.
 PROMPT_1 = [repeated([11, 42, 7, 93], 13)]
 PROMPTS_4 = [
@@ -355,7 +355,11 @@ def test_pipeline_keeps_kv_writes_of_captured_step():
     B, Q, S = 1, 3, 8
     gm, counts = run_step_pipeline(capture_step(model, B, Q, S))
     assert counts["tree_attention_pass"] == model.config.num_hidden_layers
-    assert sum(n.target == torch.ops.aten.scatter_.src for n in gm.graph.nodes) == 2 * model.config.num_hidden_layers
+    # tiny llama has grouped-query attention (4 query heads, 2 KV heads): every layer is folded
+    assert counts["gqa_fold_pass"] == model.config.num_hidden_layers
+    # ... so no 5-D expand of the cache (HF's repeat_kv) is left for the KV heads
+    assert not any(n.target == torch.ops.aten.expand.default and len(n.args[1]) == 5 for n in gm.graph.nodes)
+    assert sum(n.target == torch.ops.aten.index_put_.default for n in gm.graph.nodes) == 2 * model.config.num_hidden_layers
     ids = torch.tensor([[5, 6, 7]])
     pos = torch.arange(Q)[None]
     mask = torch.zeros(B, 1, Q, S).masked_fill(~torch.ones(Q, S, dtype=torch.bool).tril(), NEG)
