@@ -13,6 +13,7 @@ is a scratch slot where padding and finished rows write.
 """
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 
@@ -21,7 +22,7 @@ import torch
 from specgraph.capture import Step, UnsupportedModel, capture_step, check_supported, new_kv_cache
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats as Stats
-from specgraph.passes import run_step_pipeline
+from specgraph.passes import attend_prefix_pass, run_step_pipeline
 from specgraph.verify import chain_noise, verify_chain_with_noise
 from specgraph.warping import SamplingParams
 
@@ -35,18 +36,29 @@ def _bucket(b: int, max_batch: int) -> int:
     return min(p, max_batch)
 
 
-def _step_mask(L, q_pos, valid, S, window):
-    """Additive mask [B, 1, Q, S]: query at position q_pos sees committed slots < L and slots in
-    [L, q_pos] that are its ancestors (chain: all of them); invalid queries see only the scratch slot."""
-    s = torch.arange(S, device=L.device)
-    vis = (s.view(1, 1, S) < L.view(-1, 1, 1)) | (
-        (s.view(1, 1, S) >= L.view(-1, 1, 1)) & (s.view(1, 1, S) <= q_pos.unsqueeze(-1))
-    )
+def _step_mask(L, q_pos, valid, width, window):
+    """Additive mask [B, 1, Q, width]: a query at position q_pos sees committed slots < L and the
+    slots in [L, q_pos] (its chain ancestors and itself). Invalid queries (padding, finished rows)
+    see slot 0 only: their output is ignored, but a fully masked row would be NaN."""
+    s = torch.arange(width, device=L.device).view(1, 1, width)
+    vis = (s < L.view(-1, 1, 1)) | ((s >= L.view(-1, 1, 1)) & (s <= q_pos.unsqueeze(-1)))
     if window is not None:
-        vis &= s.view(1, 1, S) > q_pos.unsqueeze(-1) - window
-    vis = torch.where(valid.unsqueeze(-1), vis, s.view(1, 1, S) == S - 1)
+        vis &= s > q_pos.unsqueeze(-1) - window
+    vis = torch.where(valid.unsqueeze(-1), vis, s == 0)
     zero = torch.zeros((), dtype=torch.float32, device=L.device)
     return torch.where(vis, zero, NEG_INF).unsqueeze(1)
+
+
+MIN_ATTEND = 256  # overridable for tests
+
+
+def attend_width(need: int, slots: int) -> int:
+    """Attended cache prefix for a round: the smallest power of two >= need (at least MIN_ATTEND),
+    or all slots. Each width is one compiled graph, so widths are few."""
+    w = MIN_ATTEND
+    while w < need:
+        w *= 2
+    return w if w < slots else slots
 
 
 class SpecGraphModel:
@@ -95,25 +107,35 @@ class SpecGraphModel:
     # ------------------------------------------------------------------------------------------
     # graphs
 
-    def _step(self, B: int, Q: int):
-        key = (B, Q)
+    def _step(self, B: int, Q: int, width: int):
+        key = (B, Q, width)
         if key not in self._steps:
-            gm = capture_step(self.model, B, Q, self.slots)
-            gm, counts = run_step_pipeline(gm)
-            self.pass_counts[key] = counts
-            self._steps[key] = gm
+            base = self._steps.get((B, Q, self.slots))
+            if base is None:
+                gm = capture_step(self.model, B, Q, self.slots)
+                gm, counts = run_step_pipeline(gm)
+                self.pass_counts[(B, Q)] = counts
+                self._steps[(B, Q, self.slots)] = base = gm
+            if width < self.slots:
+                # share the parameters of the captured module; only the graph differs
+                gm = torch.fx.GraphModule(base, copy.deepcopy(base.graph))
+                gm.graph._codegen = base.graph._codegen
+                gm, _ = attend_prefix_pass(gm, width)
+                self._steps[key] = gm
         return self._steps[key]
 
     def _compiled(self, name: str, fn):
         if self.backend == "eager":
             return fn
-        return torch.compile(fn, dynamic=False, fullgraph=True)
+        # Per-step elementwise kernels are tiny: one OpenMP region each costs more than it saves.
+        options = {"cpp.threads": 1} if next(self.model.parameters()).device.type == "cpu" else {}
+        return torch.compile(fn, dynamic=False, fullgraph=True, options=options)
 
-    def _round_fn(self, B: int, params: SamplingParams):
-        key = ("round", B, params)
+    def _round_fn(self, B: int, params: SamplingParams, width: int):
+        key = ("round", B, params, width)
         if key not in self._fns:
             K, S, window, draft = self.k, self.slots, self.window, self.draft
-            step = self._step(B, K + 1)
+            step = self._step(B, K + 1, width)
             depth = torch.arange(K + 1)
 
             def round_fn(root, hist, hist_len, L, active, accept_u, expo, *kv):
@@ -126,7 +148,7 @@ class SpecGraphModel:
                 pos = L.unsqueeze(1) + depth.to(L.device)
                 valid = active.unsqueeze(1).expand_as(pos)
                 slots = torch.where(valid, pos, S - 1)
-                mask = _step_mask(L, pos, valid, S, window).to(kv[0].dtype)
+                mask = _step_mask(L, pos, valid, width, window).to(kv[0].dtype)
                 logits, _ = step(ids, pos, mask, slots, *kv)
                 noise = None if params.greedy else (accept_u, expo)
                 tokens, n = verify_chain_with_noise(
@@ -266,9 +288,11 @@ class SpecGraphModel:
         done = [False] * n_rows + [True] * (B - n_rows)
         if streamer is not None:
             streamer.put(torch.tensor([rows[0]]))
-        round_fn = self._round_fn(B, params)
         V = self.model.get_output_embeddings().weight.shape[0]
+        L_host = [n - 1 for n in lens]
         while not all(done):
+            need = max(L_host[b] for b in range(B) if not done[b]) + K + 1
+            round_fn = self._round_fn(B, params, attend_width(need, S))
             active = torch.tensor([not d for d in done], device=device)
             if params.greedy:
                 accept_u = torch.zeros(B, K, device=device)
@@ -299,7 +323,9 @@ class SpecGraphModel:
                 if streamer is not None and keep:
                     streamer.put(torch.tensor(keep))
             # advance device state for the rows still running (rolled-back slots are just not counted)
-            adv = torch.tensor([0 if done[b] else n_h[b] for b in range(B)], device=device)
+            adv_h = [0 if done[b] else n_h[b] for b in range(B)]
+            L_host = [L_host[b] + adv_h[b] for b in range(B)]
+            adv = torch.tensor(adv_h, device=device)
             pos = hist_len.unsqueeze(1) + torch.arange(K + 1, device=device)
             write = torch.arange(K + 1, device=device).unsqueeze(0) < adv.unsqueeze(1)
             hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens, hist[:, S - 1 :]))

@@ -159,7 +159,9 @@ def pick_eos_single(new: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("draft", [None, "ngram"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equals_hf_generate(arch, draft):
+def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
+    # small attended widths so rounds cross several attend_prefix_pass buckets (32 -> 64 slots)
+    monkeypatch.setattr(sg_compiler, "MIN_ATTEND", 16)
     model = tiny_model(arch)
     fast = specgraph.compile(model, draft, num_speculative_tokens=4, backend="eager",
                              max_batch_size=4, max_seq_len=MAX_SEQ)
@@ -187,6 +189,8 @@ def test_greedy_equals_hf_generate(arch, draft):
             assert (ref_eos[:, ids.shape[1]:] == PAD).any(), "EOS choice should leave padding in some row"
     if draft == "ngram":
         assert accepted > 0, f"{arch}: no n-gram draft was ever accepted"
+    widths = {w for (_, _, w) in fast._steps if w < fast.slots}
+    assert len(widths) >= 2, f"expected rounds on several attended widths, got {widths}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,3 +447,27 @@ def test_eager_attention_falls_back_with_warning_and_stays_exact():
     ref = hf_generate(model, ids, mask)
     out = sg_generate(fast, ids, mask)
     assert_same(model, ids, mask, ref, out, "eager-attention fallback")
+
+
+@torch.no_grad()
+def test_attend_prefix_pass_matches_full_width():
+    from specgraph.passes import attend_prefix_pass
+
+    model = tiny_model("llama")
+    B, Q, S, W = 2, 3, 40, 16
+    full, _ = run_step_pipeline(capture_step(model, B, Q, S))
+    narrow, n = attend_prefix_pass(fx.GraphModule(full, copy.deepcopy(full.graph)), W)
+    assert n == model.config.num_hidden_layers
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    L = torch.tensor([4, 9])  # committed prefix lengths; slots [L, L+Q) get the new tokens
+    pos = L[:, None] + torch.arange(Q)
+    kv_full = [t.normal_() for t in new_kv_cache(model, B, S)]  # garbage beyond L must stay invisible
+    kv_narrow = [t.clone() for t in kv_full]
+    s = torch.arange(S)
+    vis = (s[None, None] < L[:, None, None]) | ((s[None, None] >= L[:, None, None]) & (s[None, None] <= pos[..., None]))
+    mask = torch.zeros(B, 1, Q, S).masked_fill(~vis[:, None], NEG)
+    out_full = full(ids, pos, mask, pos.clone(), *kv_full)[0]
+    out_narrow = narrow(ids, pos, mask[..., :W].contiguous(), pos.clone(), *kv_narrow)[0]
+    torch.testing.assert_close(out_narrow, out_full, atol=1e-5, rtol=1e-5)
+    for a, b in zip(kv_full, kv_narrow):
+        assert torch.equal(a, b)  # writes still land in the full cache
