@@ -64,7 +64,7 @@ def attend_width(need: int, slots: int) -> int:
 class SpecGraphModel:
     """What :func:`compile` returns. Call :meth:`generate`; read :attr:`stats`."""
 
-    def __init__(self, model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len):
+    def __init__(self, model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True):
         if backend not in ("inductor", "eager"):
             raise ValueError(f"backend must be 'inductor' or 'eager', got {backend!r}")
         if draft not in (None, "ngram"):
@@ -83,6 +83,7 @@ class SpecGraphModel:
         self.draft = draft
         self.k = 0 if draft is None else num_speculative_tokens
         self.backend = backend
+        self.freeze = bool(freeze)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.slots = max_seq_len + 1  # + scratch slot
@@ -127,8 +128,12 @@ class SpecGraphModel:
     def _compiled(self, name: str, fn):
         if self.backend == "eager":
             return fn
-        # Per-step elementwise kernels are tiny: one OpenMP region each costs more than it saves.
-        options = {"cpp.threads": 1} if next(self.model.parameters()).device.type == "cpu" else {}
+        # freezing: weights become constants of the graph (prepacked for MKL on CPU: GEMV ~25% faster
+        # on SmolLM2). On CPU, per-step elementwise kernels are tiny: one OpenMP region each costs
+        # more than it saves, so they run single-threaded (GEMMs still use all threads).
+        options = {"freezing": self.freeze}
+        if next(self.model.parameters()).device.type == "cpu":
+            options["cpp.threads"] = 1
         return torch.compile(fn, dynamic=False, fullgraph=True, options=options)
 
     def _round_fn(self, B: int, params: SamplingParams, width: int):
@@ -367,11 +372,16 @@ def compile(
     backend: str = "inductor",
     max_batch_size: int = 8,
     max_seq_len: int = 2048,
+    freeze: bool = True,
 ) -> SpecGraphModel:
     """Compile ``model`` (an HF causal LM in eval mode) for speculative generation.
 
     ``draft``: None (compiled plain decoding) or ``"ngram"`` (prompt lookup). ``backend="eager"``
     runs the same rewritten graphs without torch.compile. Graphs are captured and compiled lazily,
-    on first use of each (batch bucket, shape).
+    on first use of each (batch bucket, query length, attended width).
+
+    ``freeze=True`` lets Inductor treat the weights as constants (faster matmuls on CPU); each
+    compiled graph then holds its own prepacked copy of the weights, and later changes to the
+    model's weights are not seen. ``freeze=False`` saves that memory.
     """
-    return SpecGraphModel(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len)
+    return SpecGraphModel(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze)
