@@ -24,7 +24,7 @@ from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
 from specgraph.verify import chain_noise, verify_chain_with_noise
-from specgraph.warping import SamplingParams
+from specgraph.warping import SamplingParams, warped_probs
 
 NEG_INF = float("-inf")
 
@@ -49,6 +49,41 @@ def _step_mask(L, q_pos, valid, width, window):
     return torch.where(vis, zero, NEG_INF).unsqueeze(1)
 
 
+def _sliding_window(model):
+    """The attention window to encode in the mask (None = full attention)."""
+    cfg = model.config.get_text_config(decoder=True)
+    types = getattr(cfg, "layer_types", None) or []
+    window = getattr(cfg, "sliding_window", None)
+    if types:
+        return window if all(t == "sliding_attention" for t in types) else None
+    return window if window and getattr(cfg, "use_sliding_window", True) else None
+
+
+def _check_draft_model(target, draft) -> None:
+    if draft.training:
+        raise ValueError("put the draft model in eval mode first (draft.eval())")
+    tv = target.get_output_embeddings().weight.shape[0]
+    dv = draft.get_output_embeddings().weight.shape[0] if draft.get_output_embeddings() is not None else None
+    if dv != tv:
+        raise ValueError(
+            f"vocabulary mismatch: target has {tv} output tokens, draft has {dv}; the draft must share the "
+            "target's tokenizer and vocabulary (e.g. a smaller model of the same family)"
+        )
+    for name in ("bos_token_id", "eos_token_id"):
+        t, d = getattr(target.config, name, None), getattr(draft.config, name, None)
+        if t is not None and d is not None and t != d:
+            raise ValueError(f"tokenizer mismatch: target {name}={t}, draft {name}={d}")
+    if next(draft.parameters()).device != next(target.parameters()).device:
+        raise ValueError("target and draft must be on the same device")
+
+
+def _race_noise(B, V, device, generator, greedy):
+    if greedy:
+        return torch.ones(B, 1, device=device)
+    u = torch.rand(B, V, device=device, generator=generator)
+    return -torch.log(u.clamp_min(torch.finfo(torch.float32).tiny))
+
+
 MIN_ATTEND = 256  # overridable for tests
 
 
@@ -67,9 +102,14 @@ class SpecGraphModel:
     def __init__(self, model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True):
         if backend not in ("inductor", "eager"):
             raise ValueError(f"backend must be 'inductor' or 'eager', got {backend!r}")
-        if draft not in (None, "ngram"):
+        draft_model = None
+        if isinstance(draft, torch.nn.Module):
+            draft_model, draft = draft, "model"
+            _check_draft_model(model, draft_model)
+        elif draft not in (None, "ngram"):
             raise ValueError(
-                f"draft={draft!r} is not supported yet: use None (compiled plain decoding) or 'ngram' (prompt lookup)"
+                f"draft={draft!r} is not supported: use None (compiled plain decoding), 'ngram' (prompt lookup) "
+                "or a smaller PreTrainedModel with the same vocabulary"
             )
         if tree is not None:
             raise ValueError("tree speculation in the compiled step is not implemented yet: use tree=None (chain)")
@@ -81,6 +121,7 @@ class SpecGraphModel:
             raise ValueError("put the model in eval mode first (model.eval())")
         self.model = model
         self.draft = draft
+        self.draft_model = draft_model
         self.k = 0 if draft is None else num_speculative_tokens
         self.backend = backend
         self.freeze = bool(freeze)
@@ -91,15 +132,17 @@ class SpecGraphModel:
         self.fallback_reason = None
         try:
             check_supported(model)
+            if draft_model is not None:
+                check_supported(draft_model)
         except UnsupportedModel as e:
+            if draft_model is not None:
+                raise ValueError(f"cannot compile this target/draft pair: {e}") from e
             self.fallback_reason = str(e)
             warnings.warn(f"specgraph: cannot rewrite this model ({e}); falling back to the eager path", stacklevel=3)
-        cfg = model.config.get_text_config(decoder=True)
-        types = getattr(cfg, "layer_types", None) or []
-        self.window = getattr(cfg, "sliding_window", None) if types and all(t == "sliding_attention" for t in types) else None
-        if self.window is None and getattr(cfg, "sliding_window", None) and not types and getattr(cfg, "use_sliding_window", True):
-            self.window = cfg.sliding_window
+        self.window = _sliding_window(model)
+        self.draft_window = None if draft_model is None else _sliding_window(draft_model)
         self._eager_step = Step(model)
+        self._eager_draft_step = None if draft_model is None else Step(draft_model)
         self._steps: dict = {}
         self._fns: dict = {}
         self._kv: dict = {}
@@ -108,15 +151,17 @@ class SpecGraphModel:
     # ------------------------------------------------------------------------------------------
     # graphs
 
-    def _step(self, B: int, Q: int, width: int):
-        key = (B, Q, width)
+    def _step(self, B: int, Q: int, width: int, which: str = "target"):
+        key = (B, Q, width) if which == "target" else (which, B, Q, width)
         if key not in self._steps:
-            base = self._steps.get((B, Q, self.slots))
+            full = (B, Q, self.slots) if which == "target" else (which, B, Q, self.slots)
+            base = self._steps.get(full)
             if base is None:
-                gm = capture_step(self.model, B, Q, self.slots)
+                model = self.model if which == "target" else self.draft_model
+                gm = capture_step(model, B, Q, self.slots)
                 gm, counts = run_step_pipeline(gm)
-                self.pass_counts[(B, Q)] = counts
-                self._steps[(B, Q, self.slots)] = base = gm
+                self.pass_counts[full[:-1]] = counts
+                self._steps[full] = base = gm
             if width < self.slots:
                 # share the parameters of the captured module; only the graph differs
                 gm = torch.fx.GraphModule(base, copy.deepcopy(base.graph))
@@ -143,12 +188,14 @@ class SpecGraphModel:
             step = self._step(B, K + 1, width)
             depth = torch.arange(K + 1)
 
-            def round_fn(root, hist, hist_len, L, active, accept_u, expo, *kv):
-                # root [B], hist [B, S], hist_len [B], L [B], active [B] bool
+            def round_fn(root, hist, hist_len, L, active, accept_u, expo, drafts, draft_probs, *kv):
+                # root [B], hist [B, S], hist_len [B], L [B], active [B] bool,
+                # drafts [B, K] (draft model) or unused, draft_probs [B, K, V] (sampled drafts) or unused
                 if draft == "ngram":
                     drafts, _ = ngram_propose(hist, hist_len, K)
-                else:
+                elif draft is None:
                     drafts = hist[:, :0]
+                q = draft_probs if (draft == "model" and not params.greedy) else None
                 ids = torch.cat([root.unsqueeze(1), drafts], dim=1)  # [B, K+1]
                 pos = L.unsqueeze(1) + depth.to(L.device)
                 valid = active.unsqueeze(1).expand_as(pos)
@@ -157,17 +204,65 @@ class SpecGraphModel:
                 logits, _ = step(ids, pos, mask, slots, *kv)
                 noise = None if params.greedy else (accept_u, expo)
                 tokens, n = verify_chain_with_noise(
-                    logits, None, drafts, noise, params.temperature, params.top_k, params.top_p, params.min_p
+                    logits, q, drafts, noise, params.temperature, params.top_k, params.top_p, params.min_p
                 )
                 return tokens, n
 
             self._fns[key] = self._compiled("round", round_fn)
         return self._fns[key]
 
-    def _cache(self, B: int):
-        if B not in self._kv:
-            self._kv[B] = new_kv_cache(self.model, B, self.slots)
-        return self._kv[B]
+    def _cache(self, B: int, which: str = "target"):
+        key = (which, B)
+        if key not in self._kv:
+            model = self.model if which == "target" else self.draft_model
+            self._kv[key] = new_kv_cache(model, B, self.slots)
+        return self._kv[key]
+
+    def _draft_fn(self, B: int, Q: int, params: SamplingParams, width: int):
+        """One draft-model step: feed Q tokens ending at position ``last``, propose the next token.
+
+        The first step of a round feeds (previous token, root) so the draft cache catches up on the
+        token it never saw when every draft of the last round was accepted (re-writing a slot that
+        already holds the same K/V is harmless); later steps feed the previous draft token.
+        """
+        key = ("draft", B, Q, params, width)
+        if key not in self._fns:
+            S, window = self.slots, self.draft_window
+            step = self._step(B, Q, width, which="draft")
+            offs = torch.arange(Q) - (Q - 1)
+
+            def draft_fn(tokens, last, active, expo, *kv):
+                # tokens [B, Q], last [B] position of the last fed token, expo [B, V] Exp(1) draws
+                pos = last.unsqueeze(1) + offs.to(last.device)
+                valid = active.unsqueeze(1) & (pos >= 0)
+                pos = pos.clamp_min(0)
+                mask = _step_mask(last - (Q - 1), pos, valid, width, window).to(kv[0].dtype)
+                logits, _ = step(tokens, pos, mask, torch.where(valid, pos, S - 1), *kv)
+                logits = logits[:, -1]
+                if params.greedy:
+                    return logits.argmax(dim=-1), logits
+                q = warped_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+                return (q / expo).argmax(dim=-1), q
+
+            self._fns[key] = self._compiled("draft", draft_fn)
+        return self._fns[key]
+
+    def _propose_with_draft_model(self, B, params, width, hist, L, root, active, generator, V):
+        """K draft-model steps; returns drafts [B, K] and the q rows they were drawn from [B, K, V]."""
+        device = hist.device
+        kv = self._cache(B, "draft")
+        prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
+        tokens, last = torch.stack([prev, root], dim=1), L
+        drafts, probs = [], []
+        for j in range(self.k):
+            expo = _race_noise(B, V, device, generator, params.greedy)
+            fn = self._draft_fn(B, 2 if j == 0 else 1, params, width)
+            tok, q = fn(tokens, last, active, expo, *kv)
+            drafts.append(tok)
+            probs.append(q)
+            tokens, last = tok.unsqueeze(1), last + 1
+        drafts = torch.stack(drafts, dim=1)
+        return drafts, (None if params.greedy else torch.stack(probs, dim=1))
 
     # ------------------------------------------------------------------------------------------
     # generation
@@ -285,7 +380,9 @@ class SpecGraphModel:
         for b, r in enumerate(rows):
             hist[b, : len(r)] = torch.tensor(r)
         hist = hist.to(device)
-        self._prefill(B, rows, kv, device)
+        self._prefill(B, rows, kv, device, self._eager_step, self.window)
+        if self.draft == "model":
+            self._prefill(B, rows, self._cache(B, "draft"), device, self._eager_draft_step, self.draft_window)
         L = torch.tensor([n - 1 for n in lens], device=device)
         root = hist.gather(1, (L).unsqueeze(1)).squeeze(1)
         hist_len = torch.tensor(lens, device=device)
@@ -297,14 +394,21 @@ class SpecGraphModel:
         L_host = [n - 1 for n in lens]
         while not all(done):
             need = max(L_host[b] for b in range(B) if not done[b]) + K + 1
-            round_fn = self._round_fn(B, params, attend_width(need, S))
+            width = attend_width(need, S)
+            round_fn = self._round_fn(B, params, width)
             active = torch.tensor([not d for d in done], device=device)
             if params.greedy:
                 accept_u = torch.zeros(B, K, device=device)
                 expo = torch.ones(B, K + 1, 1, device=device)
             else:
                 accept_u, expo = chain_noise(B, K, V, device, generator)
-            tokens, n = round_fn(root, hist, hist_len, L, active, accept_u, expo, *kv)
+            if self.draft == "model":
+                drafts, draft_probs = self._propose_with_draft_model(
+                    B, params, width, hist, L, root, active, generator, V)
+            else:
+                drafts, draft_probs = accept_u, accept_u  # unused placeholders of the right kind
+            tokens, n = round_fn(root, hist, hist_len, L, active, accept_u, expo, drafts,
+                                 draft_probs if draft_probs is not None else accept_u, *kv)
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
             self.stats.rounds += 1
             for b in range(n_rows):
@@ -342,7 +446,7 @@ class SpecGraphModel:
         self.stats.seconds += time.perf_counter() - start
         return new
 
-    def _prefill(self, B, rows, kv, device):
+    def _prefill(self, B, rows, kv, device, step, window):
         """Write every prompt token but the last (the first root) into the cache.
 
         Runs the unmodified model eagerly through :class:`specgraph.capture.Step` with the same
@@ -359,8 +463,8 @@ class SpecGraphModel:
             valid[b, : len(r) - 1] = True
         ids, valid = ids.to(device), valid.to(device)
         pos = torch.arange(P, device=device).expand(B, P).contiguous()
-        mask = _step_mask(torch.zeros(B, dtype=torch.long, device=device), pos, valid, self.slots, self.window)
-        self._eager_step(ids, pos, mask.to(kv[0].dtype), torch.where(valid, pos, self.slots - 1), *kv)
+        mask = _step_mask(torch.zeros(B, dtype=torch.long, device=device), pos, valid, self.slots, window)
+        step(ids, pos, mask.to(kv[0].dtype), torch.where(valid, pos, self.slots - 1), *kv)
 
 
 def compile(

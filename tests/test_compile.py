@@ -157,12 +157,17 @@ def pick_eos_single(new: torch.Tensor) -> int:
 # 1. greedy equality with model.generate, 8 architectures x {plain, n-gram}, batch 1 and 4, EOS
 
 
-@pytest.mark.parametrize("draft", [None, "ngram"])
+@pytest.mark.parametrize("draft", [None, "ngram", "model", "self"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
     # small attended widths so rounds cross several attend_prefix_pass buckets (32 -> 64 slots)
     monkeypatch.setattr(sg_compiler, "MIN_ATTEND", 16)
     model = tiny_model(arch)
+    kind = draft
+    if draft == "model":  # another random model of the same family and vocab: mostly rejections
+        draft = tiny_model(arch, seed=1)
+    elif draft == "self":  # the target drafting for itself: a KV or mask bug shows as rejections
+        draft = model
     fast = specgraph.compile(model, draft, num_speculative_tokens=4, backend="eager",
                              max_batch_size=4, max_seq_len=MAX_SEQ)
     assert fast.fallback_reason is None
@@ -177,6 +182,8 @@ def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
         accepted += fast.stats.accepted
         if draft is None:
             assert fast.stats.accepted == 0 and fast.stats.rounds == MAX_NEW
+        if kind == "self":
+            assert fast.stats.accepted == fast.stats.drafted, "draft = target must accept every draft"
 
         # EOS: a token the model really generates; rows padded with PAD after their EOS, as HF does.
         new = ref[:, ids.shape[1]:]
@@ -187,9 +194,9 @@ def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
         assert (ref_eos[:, ids.shape[1]:] == eos).any()
         if len(rows) > 1:
             assert (ref_eos[:, ids.shape[1]:] == PAD).any(), "EOS choice should leave padding in some row"
-    if draft == "ngram":
+    if kind == "ngram":
         assert accepted > 0, f"{arch}: no n-gram draft was ever accepted"
-    widths = {w for (_, _, w) in fast._steps if w < fast.slots}
+    widths = {key[-1] for key in fast._steps if key[-1] < fast.slots}
     assert len(widths) >= 2, f"expected rounds on several attended widths, got {widths}"
 
 
@@ -471,3 +478,15 @@ def test_attend_prefix_pass_matches_full_width():
     torch.testing.assert_close(out_narrow, out_full, atol=1e-5, rtol=1e-5)
     for a, b in zip(kv_full, kv_narrow):
         assert torch.equal(a, b)  # writes still land in the full cache
+
+
+def test_rejects_draft_model_with_other_vocabulary(llama):
+    other = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("llama", **{**TINY["llama"], "vocab_size": 96}), attn_implementation="sdpa").eval()
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        specgraph.compile(llama, other, backend="eager")
+
+
+def test_rejects_draft_model_in_training_mode(llama):
+    with pytest.raises(ValueError, match="eval"):
+        specgraph.compile(llama, tiny_model("llama", seed=1).train(), backend="eager")
