@@ -84,6 +84,7 @@ def _race_noise(B, V, device, generator, greedy):
     return -torch.log(u.clamp_min(torch.finfo(torch.float32).tiny))
 
 
+NGRAM_MAX, NGRAM_MIN = 3, 2  # prompt lookup: longest / shortest suffix n-gram to match
 MIN_ATTEND = 256  # overridable for tests
 
 
@@ -176,37 +177,42 @@ class SpecGraphModel:
         # freezing: weights become constants of the graph (prepacked for MKL on CPU: GEMV ~25% faster
         # on SmolLM2). On CPU, per-step elementwise kernels are tiny: one OpenMP region each costs
         # more than it saves, so they run single-threaded (GEMMs still use all threads).
-        options = {"freezing": self.freeze}
+        # Applied as a config patch around every call: torch.compile(options=...) ignores
+        # "freezing", and a recompile must see the same settings as the first compile.
+        config = {"freezing": self.freeze}
         if next(self.model.parameters()).device.type == "cpu":
-            options["cpp.threads"] = 1
-        return torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+            config["cpp.threads"] = 1
+        compiled = torch.compile(fn, dynamic=False, fullgraph=True)
 
-    def _round_fn(self, B: int, params: SamplingParams, width: int):
-        key = ("round", B, params, width)
+        def run(*args):
+            with torch._inductor.config.patch(config):
+                return compiled(*args)
+
+        return run
+
+    def _round_fn(self, B: int, params: SamplingParams, width: int, k: int):
+        """One verification round over k given drafts (k = 0: a plain decoding step)."""
+        key = ("round", B, params, width, k)
         if key not in self._fns:
-            K, S, window, draft = self.k, self.slots, self.window, self.draft
-            step = self._step(B, K + 1, width)
-            depth = torch.arange(K + 1)
+            S, window = self.slots, self.window
+            use_q = self.draft == "model" and not params.greedy and k > 0
+            step = self._step(B, k + 1, width)
+            depth = torch.arange(k + 1)
 
-            def round_fn(root, hist, hist_len, L, active, accept_u, expo, drafts, draft_probs, *kv):
-                # root [B], hist [B, S], hist_len [B], L [B], active [B] bool,
-                # drafts [B, K] (draft model) or unused, draft_probs [B, K, V] (sampled drafts) or unused
-                if draft == "ngram":
-                    drafts, _ = ngram_propose(hist, hist_len, K)
-                elif draft is None:
-                    drafts = hist[:, :0]
-                q = draft_probs if (draft == "model" and not params.greedy) else None
-                ids = torch.cat([root.unsqueeze(1), drafts], dim=1)  # [B, K+1]
+            def round_fn(root, L, active, accept_u, expo, drafts, draft_probs, *kv):
+                # root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V] (or [B, k+1, 1]
+                # when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
+                ids = torch.cat([root.unsqueeze(1), drafts], dim=1)  # [B, k+1]
                 pos = L.unsqueeze(1) + depth.to(L.device)
                 valid = active.unsqueeze(1).expand_as(pos)
                 slots = torch.where(valid, pos, S - 1)
                 mask = _step_mask(L, pos, valid, width, window).to(kv[0].dtype)
                 logits, _ = step(ids, pos, mask, slots, *kv)
                 noise = None if params.greedy else (accept_u, expo)
-                tokens, n = verify_chain_with_noise(
-                    logits, q, drafts, noise, params.temperature, params.top_k, params.top_p, params.min_p
+                return verify_chain_with_noise(
+                    logits, draft_probs if use_q else None, drafts, noise,
+                    params.temperature, params.top_k, params.top_p, params.min_p,
                 )
-                return tokens, n
 
             self._fns[key] = self._compiled("round", round_fn)
         return self._fns[key]
@@ -246,6 +252,21 @@ class SpecGraphModel:
 
             self._fns[key] = self._compiled("draft", draft_fn)
         return self._fns[key]
+
+    def _propose(self, B, params, width, hist, L, root, active, generator, V):
+        """This round's drafts: (k, drafts [B, k], draft_probs [B, k, V] or None).
+
+        Prompt lookup only speculates when some live row matched an n-gram of at least
+        ``NGRAM_MIN`` tokens; otherwise the round is a plain step (k = 0), so text without
+        repetition costs what plain decoding costs.
+        """
+        if self.draft == "model":
+            return (self.k, *self._propose_with_draft_model(B, params, width, hist, L, root, active, generator, V))
+        if self.draft == "ngram":
+            drafts, matched = ngram_propose(hist, L + 1, self.k, NGRAM_MAX, NGRAM_MIN)
+            if bool((matched * active).any()):  # host sync: which graph runs depends on it
+                return self.k, drafts, None
+        return 0, hist[:, :0], None
 
     def _propose_with_draft_model(self, B, params, width, hist, L, root, active, generator, V):
         """K draft-model steps; returns drafts [B, K] and the q rows they were drawn from [B, K, V]."""
@@ -385,7 +406,6 @@ class SpecGraphModel:
             self._prefill(B, rows, self._cache(B, "draft"), device, self._eager_draft_step, self.draft_window)
         L = torch.tensor([n - 1 for n in lens], device=device)
         root = hist.gather(1, (L).unsqueeze(1)).squeeze(1)
-        hist_len = torch.tensor(lens, device=device)
         new = [[] for _ in range(n_rows)]
         done = [False] * n_rows + [True] * (B - n_rows)
         if streamer is not None:
@@ -395,27 +415,23 @@ class SpecGraphModel:
         while not all(done):
             need = max(L_host[b] for b in range(B) if not done[b]) + K + 1
             width = attend_width(need, S)
-            round_fn = self._round_fn(B, params, width)
             active = torch.tensor([not d for d in done], device=device)
+            k, drafts, draft_probs = self._propose(B, params, width, hist, L, root, active, generator, V)
             if params.greedy:
-                accept_u = torch.zeros(B, K, device=device)
-                expo = torch.ones(B, K + 1, 1, device=device)
+                accept_u = torch.zeros(B, k, device=device)
+                expo = torch.ones(B, k + 1, 1, device=device)
             else:
-                accept_u, expo = chain_noise(B, K, V, device, generator)
-            if self.draft == "model":
-                drafts, draft_probs = self._propose_with_draft_model(
-                    B, params, width, hist, L, root, active, generator, V)
-            else:
-                drafts, draft_probs = accept_u, accept_u  # unused placeholders of the right kind
-            tokens, n = round_fn(root, hist, hist_len, L, active, accept_u, expo, drafts,
-                                 draft_probs if draft_probs is not None else accept_u, *kv)
+                accept_u, expo = chain_noise(B, k, V, device, generator)
+            round_fn = self._round_fn(B, params, width, k)
+            tokens, n = round_fn(root, L, active, accept_u, expo, drafts,
+                                 accept_u if draft_probs is None else draft_probs, *kv)
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
             self.stats.rounds += 1
             for b in range(n_rows):
                 if done[b]:
                     continue
                 emitted = tokens_h[b][: n_h[b]]
-                self.stats.drafted += K
+                self.stats.drafted += k
                 self.stats.accepted += n_h[b] - 1
                 while len(self.stats.accepted_at) < K:
                     self.stats.accepted_at.append(0)
@@ -435,11 +451,10 @@ class SpecGraphModel:
             adv_h = [0 if done[b] else n_h[b] for b in range(B)]
             L_host = [L_host[b] + adv_h[b] for b in range(B)]
             adv = torch.tensor(adv_h, device=device)
-            pos = hist_len.unsqueeze(1) + torch.arange(K + 1, device=device)
-            write = torch.arange(K + 1, device=device).unsqueeze(0) < adv.unsqueeze(1)
+            pos = L.unsqueeze(1) + 1 + torch.arange(k + 1, device=device)  # history holds L + 1 tokens
+            write = torch.arange(k + 1, device=device).unsqueeze(0) < adv.unsqueeze(1)
             hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens, hist[:, S - 1 :]))
             L = L + adv
-            hist_len = hist_len + adv
             root = torch.where(adv > 0, tokens.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
         if streamer is not None:
             streamer.end()
