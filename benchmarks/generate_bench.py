@@ -1,7 +1,8 @@
 """End-to-end generation speed on SmolLM2-135M-Instruct (fp32, batch 1), methods interleaved in one process.
 
-Methods: HF generate plain; HF prompt lookup (prompt_lookup_num_tokens=3 and 10); specgraph without
-draft (compiled plain decoding); specgraph "ngram" chain. For each prompt and method: median
+Methods: HF generate plain; HF prompt lookup (prompt_lookup_num_tokens=3 and 10); HF assisted generation
+with a layer-truncated SmolLM2 draft; specgraph without draft (compiled plain decoding); specgraph
+"ngram" chain; specgraph with the same layer-truncated draft model. For each prompt and method: median
 tokens/s over --runs, the ratio to HF plain on the same prompt, mean emitted tokens per round, and
 greedy equality with HF plain. Prints a table and writes JSON.
 
@@ -11,6 +12,7 @@ greedy equality with HF plain. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -42,6 +44,24 @@ def _ids(tok, prompt):
     return enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
 
 
+def truncated_draft(model, layers: int):
+    """The target's first `layers` decoder layers + final norm + LM head, sharing its weights."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layers]
+    draft = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=next(model.parameters()).dtype)
+    keep = {k: v for k, v in model.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    missing, unexpected = draft.load_state_dict(keep, strict=False, assign=True)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise RuntimeError(f"truncated draft: missing {missing}, unexpected {unexpected}")
+    draft.tie_weights()
+    return draft.eval()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -50,6 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4, help="speculative tokens for specgraph ngram")
     ap.add_argument("--prompts", default=",".join(PROMPTS))
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--draft-layers", type=int, default=6, help="layers of the truncated draft model (0 = skip)")
     ap.add_argument("--out", default="benchmarks/results/generate_bench.json")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -60,6 +81,10 @@ def main(argv=None) -> int:
     sg_plain = specgraph.compile(model, None, backend=args.backend, max_batch_size=1, max_seq_len=1024)
     sg_ngram = specgraph.compile(model, "ngram", num_speculative_tokens=args.k, backend=args.backend,
                                  max_batch_size=1, max_seq_len=1024)
+
+    draft = truncated_draft(model, args.draft_layers) if args.draft_layers else None
+    sg_draft = None if draft is None else specgraph.compile(
+        model, draft, num_speculative_tokens=args.k, backend=args.backend, max_batch_size=1, max_seq_len=1024)
 
     def hf(ids, **kw):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
@@ -79,6 +104,9 @@ def main(argv=None) -> int:
         "specgraph_plain": sg(sg_plain),
         f"specgraph_ngram_k{args.k}": sg(sg_ngram),
     }
+    if draft is not None:
+        methods[f"hf_assisted_{args.draft_layers}L"] = lambda ids: hf(ids, assistant_model=draft)
+        methods[f"specgraph_draft_{args.draft_layers}L_k{args.k}"] = sg(sg_draft)
     rows = []
     for pname in args.prompts.split(","):
         ids = _ids(tok, PROMPTS[pname])
