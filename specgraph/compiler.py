@@ -23,7 +23,7 @@ from specgraph.capture import Step, UnsupportedModel, capture_step, check_suppor
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
-from specgraph.verify import chain_noise, verify_chain_with_noise
+from specgraph.verify import chain_noise, exponential_noise, verify_chain_with_noise
 from specgraph.warping import SamplingParams, warped_probs
 
 NEG_INF = float("-inf")
@@ -80,8 +80,7 @@ def _check_draft_model(target, draft) -> None:
 def _race_noise(B, V, device, generator, greedy):
     if greedy:
         return torch.ones(B, 1, device=device)
-    u = torch.rand(B, V, device=device, generator=generator)
-    return -torch.log(u.clamp_min(torch.finfo(torch.float32).tiny))
+    return exponential_noise((B, V), device, generator)
 
 
 NGRAM_MAX, NGRAM_MIN = 3, 2  # prompt lookup: longest / shortest suffix n-gram to match
@@ -430,19 +429,12 @@ class SpecGraphModel:
             for b in range(n_rows):
                 if done[b]:
                     continue
-                emitted = tokens_h[b][: n_h[b]]
-                self.stats.drafted += k
-                self.stats.accepted += n_h[b] - 1
-                while len(self.stats.accepted_at) < K:
-                    self.stats.accepted_at.append(0)
-                for j in range(n_h[b] - 1):
-                    self.stats.accepted_at[j] += 1
-                keep = emitted[: max_new_tokens - len(new[b])]
+                keep = tokens_h[b][: n_h[b]][: max_new_tokens - len(new[b])]
                 stop = next((i for i, t in enumerate(keep) if t in eos), None)
                 if stop is not None:
                     keep = keep[: stop + 1]
                 new[b].extend(keep)
-                self.stats.emitted += len(keep)
+                self.stats.record_row(k, n_h[b], len(keep))
                 if stop is not None or len(new[b]) >= max_new_tokens:
                     done[b] = True
                 if streamer is not None and keep:

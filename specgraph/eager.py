@@ -36,12 +36,13 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.emitted / self.seconds if self.seconds > 0 else 0.0
 
-    def record(self, k: int, n_emitted: int) -> None:
-        self.rounds += 1
+    def record_row(self, k: int, n_emitted: int, kept: int) -> None:
+        """One sequence's share of a round: k drafts, n_emitted tokens verified, kept of them used
+        (fewer at EOS or max_new_tokens). ``rounds`` is counted by the caller, once per round."""
         self.drafted += k
         n_acc = n_emitted - 1
         self.accepted += n_acc
-        self.emitted += n_emitted
+        self.emitted += kept
         while len(self.accepted_at) < k:
             self.accepted_at.append(0)
         for j in range(n_acc):
@@ -103,11 +104,12 @@ def eager_generate_ngram(
             generator=generator, validate=False,
         )
         n = int(n[0])
-        stats.record(k, n)
         out = emitted[0, :n].tolist()[: max_new_tokens - new]
         stop = next((i for i, t in enumerate(out) if t in eos), None)
         if stop is not None:
             out = out[: stop + 1]
+        stats.rounds += 1
+        stats.record_row(k, n, len(out))
         tokens.extend(out)
         new += len(out)
         surplus = cache.get_seq_length() - (cached + n)

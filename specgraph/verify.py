@@ -66,7 +66,7 @@ def _uniform(shape, device, generator) -> torch.Tensor:
     return torch.rand(shape, device=device, dtype=torch.float32, generator=generator)
 
 
-def _exponential(shape, device, generator) -> torch.Tensor:
+def exponential_noise(shape, device, generator) -> torch.Tensor:
     # -log(u) with u clamped away from 0 so no draw is exactly 0 or inf.
     u = torch.rand(shape, device=device, dtype=torch.float32, generator=generator)
     return -torch.log(u.clamp_min(torch.finfo(torch.float32).tiny))
@@ -150,7 +150,7 @@ def verify_chain(
 
 def chain_noise(B: int, K: int, V: int, device, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The random inputs of one chain verification: accept_u [B, K] and expo [B, K+1, V]."""
-    return _uniform((B, K), device, generator), _exponential((B, K + 1, V), device, generator)
+    return _uniform((B, K), device, generator), exponential_noise((B, K + 1, V), device, generator)
 
 
 def verify_chain_with_noise(
@@ -285,6 +285,6 @@ def verify_tree(
     else:
         warped = warp_logits(target_logits, temperature, top_k, top_p, min_p)
         accept_u = _uniform((B, N, children.shape[1]), device, generator)
-        expo = _exponential((B, N, V), device, generator)
+        expo = exponential_noise((B, N, V), device, generator)
         choice, sampled = tree_outcomes(warped, draft_probs, tree_tokens, children, accept_u, expo)
     return walk_tree(choice, sampled, tree_tokens, spec.max_depth)

@@ -48,7 +48,7 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _expo(shape, g) -> torch.Tensor:  # as specgraph.verify._exponential
+def _expo(shape, g) -> torch.Tensor:  # as specgraph.verify.exponential_noise
     u = torch.rand(shape, generator=g)
     return -torch.log(u.clamp_min(torch.finfo(torch.float32).tiny))
 
