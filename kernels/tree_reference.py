@@ -26,23 +26,25 @@ def tree_outcomes_reference(
     warped_logits: torch.Tensor,  # [B, N, V] float32 target logits at each node after warping
     draft_probs: torch.Tensor | None,  # [B, N, V] float32 q each node's children were drawn from, or None
     tree_tokens: torch.Tensor,  # [B, N] long
-    children: torch.Tensor,  # [N, C] long child node indices in trial order, -1 padded
+    children: torch.Tensor,  # [N, C] or per row [B, N, C] long child node indices in trial order, -1 padded
     accept_u: torch.Tensor,  # [B, N, C] float32 uniforms in [0, 1)
     expo: torch.Tensor,  # [B, N, V] float32 Exp(1) draws
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``choice`` [B, N] long (accepted child node index, -1 if none) and ``sampled`` [B, N]
     long (the token drawn from the final residual at each node)."""
     B, N, V = warped_logits.shape
-    C = children.shape[1]
+    if children.dim() == 2:
+        children = children.unsqueeze(0).expand(B, N, children.shape[1])
+    C = children.shape[2]
     p = torch.softmax(warped_logits.float(), dim=-1)  # [B, N, V]
     q = None if draft_probs is None else draft_probs.float()
     R = p.clone()
     S = torch.ones(B, N, dtype=torch.float32, device=p.device)
     choice = torch.full((B, N), -1, dtype=torch.long, device=p.device)
     for j in range(C):
-        child = children[:, j]  # [N]
-        valid = (child >= 0).unsqueeze(0).expand(B, N)
-        x = tree_tokens.gather(1, child.clamp_min(0).unsqueeze(0).expand(B, N)).clamp_min(0)  # [B, N]
+        child = children[:, :, j]  # [B, N]
+        valid = child >= 0
+        x = tree_tokens.gather(1, child.clamp_min(0)).clamp_min(0)  # [B, N]
         r_x = R.gather(-1, x.unsqueeze(-1)).squeeze(-1)
         if q is None:
             passed = accept_u[:, :, j] * S < r_x
@@ -50,7 +52,7 @@ def tree_outcomes_reference(
             q_x = q.gather(-1, x.unsqueeze(-1)).squeeze(-1)
             passed = accept_u[:, :, j] * S * q_x < r_x
         take = valid & (choice < 0) & passed
-        choice = torch.where(take, child.unsqueeze(0).expand(B, N), choice)
+        choice = torch.where(take, child, choice)
         # Residual update after a rejection of child j (harmless where a child was already taken:
         # the residual of such a node is never sampled).
         if q is None:

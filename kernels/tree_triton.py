@@ -36,7 +36,8 @@ __all__ = ["tree_outcomes_triton"]
 
 @triton.jit
 def _child_token(tok_ptr, child_ptr, tok_row, n, C, j, V):
-    """(child node index, valid, token id, token in range) of child slot j of node n."""
+    """(child node index, valid, token id, token in range) of child slot j of node n
+    (``child_ptr`` already points at this row's [N, C] children)."""
     child = tl.load(child_ptr + n * C + j).to(tl.int64)
     valid = child >= 0
     x = tl.load(tok_ptr + tok_row + tl.maximum(child, 0)).to(tl.int64)
@@ -56,7 +57,7 @@ def _tree_kernel(
     logits_ptr,  # [B, N, V] f32
     q_ptr,  # [B, N, V] f32 (unused when HAS_Q is False)
     tok_ptr,  # [B, N] int
-    child_ptr,  # [N, C] int, -1 padded
+    child_ptr,  # [N, C] or [B, N, C] int, -1 padded
     u_ptr,  # [B, N, C] f32
     expo_ptr,  # [B, N, V] f32
     choice_ptr,  # [B, N] int64 out
@@ -64,6 +65,7 @@ def _tree_kernel(
     N,
     C,
     V,
+    child_stride_b,  # 0 when every row shares one [N, C] children table
     HAS_Q: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -73,6 +75,7 @@ def _tree_kernel(
     bn = b * N + n
     row = bn * V  # int64: B*N*V may exceed 2**31
     tok_row = b * N
+    child_ptr += b * child_stride_b
 
     m, s = _softmax_stats(logits_ptr + row, V, BLOCK_V)
 
@@ -163,7 +166,7 @@ def tree_outcomes_triton(
     warped_logits: torch.Tensor,  # [B, N, V] float32
     draft_probs: torch.Tensor | None,  # [B, N, V] float32 or None (deterministic children)
     tree_tokens: torch.Tensor,  # [B, N] long
-    children: torch.Tensor,  # [N, C] long, -1 padded
+    children: torch.Tensor,  # [N, C] or per row [B, N, C] long, -1 padded
     accept_u: torch.Tensor,  # [B, N, C] float32
     expo: torch.Tensor,  # [B, N, V] float32
     *,
@@ -175,7 +178,8 @@ def tree_outcomes_triton(
     ``block_v`` (a power of two) and ``num_warps`` are tuning knobs only.
     """
     B, N, V = warped_logits.shape
-    C = children.shape[1]
+    C = children.shape[-1]
+    child_stride_b = N * C if children.dim() == 3 else 0
     device = warped_logits.device
     choice = torch.empty((B, N), dtype=torch.long, device=device)
     sampled = torch.empty((B, N), dtype=torch.long, device=device)
@@ -193,11 +197,12 @@ def tree_outcomes_triton(
     expo_c = expo.float().contiguous()
     if C == 0:  # no children anywhere: slot arrays are never dereferenced
         kids = torch.full((1,), -1, dtype=torch.long, device=device)
+        child_stride_b = 0
         u = torch.zeros(1, dtype=torch.float32, device=device)
     else:
         u = accept_u.float().contiguous()
     _tree_kernel[(B, N)](
-        logits, q, tokens, kids, u, expo_c, choice, sampled, N, C, V,
+        logits, q, tokens, kids, u, expo_c, choice, sampled, N, C, V, child_stride_b,
         HAS_Q=has_q, BLOCK_V=block, BLOCK_C=triton.next_power_of_2(max(C, 1)),
         num_warps=num_warps or _num_warps(block),
         enable_fp_fusion=False,  # S * q rounded before the subtraction, as in the reference

@@ -20,10 +20,11 @@ import warnings
 import torch
 
 from specgraph.capture import Step, UnsupportedModel, capture_step, check_supported, new_kv_cache
-from specgraph.drafters import ngram_propose
+from specgraph.drafters import ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
-from specgraph.verify import chain_noise, exponential_noise, verify_chain_with_noise
+from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
+from specgraph.verify import chain_noise, exponential_noise, tree_noise, verify_chain_with_noise, verify_tree_with_noise
 from specgraph.warping import SamplingParams, warped_probs
 
 NEG_INF = float("-inf")
@@ -47,6 +48,43 @@ def _step_mask(L, q_pos, valid, width, window):
     vis = torch.where(valid.unsqueeze(-1), vis, s == 0)
     zero = torch.zeros((), dtype=torch.float32, device=L.device)
     return torch.where(vis, zero, NEG_INF).unsqueeze(1)
+
+
+def _tree_mask(L, q_pos, anc, valid, width, window):
+    """Additive mask [B, 1, Q, width] for a tree round whose node i sits in slot L + i: node i sees
+    the committed slots < L and its tree ancestors (``anc`` [B, N, N]) — not its siblings or
+    cousins. Committed slots hold position = slot, so the window applies to them as usual; tree
+    ancestors are at most the tree's depth away."""
+    B, Q, N = anc.shape  # Q queries (all N nodes in the target; the fed nodes in a draft level)
+    s = torch.arange(width, device=L.device).view(1, 1, width)
+    Lv = L.view(-1, 1, 1)
+    committed = s < Lv
+    if window is not None:
+        committed = committed & (s > q_pos.unsqueeze(-1) - window)
+    rel = s - Lv  # [B, 1, W] slot relative to the root's slot
+    in_tree = (rel >= 0) & (rel < N)
+    tree_vis = anc.gather(2, rel.clamp(0, N - 1).expand(B, Q, width)) & in_tree
+    vis = torch.where(valid.unsqueeze(-1), committed | tree_vis, s == 0)
+    zero = torch.zeros((), dtype=torch.float32, device=L.device)
+    return torch.where(vis, zero, NEG_INF).unsqueeze(1)
+
+
+def _compact_path(kv, L, path_nodes, n, active, scratch):
+    """KV compaction after a tree round: the accepted nodes' K/V (slots L + path_nodes[:, j]) move
+    to the contiguous slots L + j, so the committed prefix stays slot = position and the next
+    round's rollback is again just not advancing L. Rows that stopped, and entries past the
+    accepted path, write to the scratch slot. The gather completes before the writes, so
+    overlapping source and destination slots are safe. path_nodes [B, D+1], n [B] in 1..D+1."""
+    B, D1 = path_nodes.shape
+    if D1 < 2:
+        return
+    j = torch.arange(1, D1, device=L.device)
+    keep = active.unsqueeze(1) & (j.unsqueeze(0) < n.unsqueeze(1))
+    src = L.unsqueeze(1) + path_nodes[:, 1:].clamp_min(0)  # [B, D]
+    dst = torch.where(keep, L.unsqueeze(1) + j, scratch)
+    rows = torch.arange(B, device=L.device).unsqueeze(1)
+    for t in kv:  # [B, H, S, Dh]
+        t[rows, :, dst] = t[rows, :, src]
 
 
 def _sliding_window(model):
@@ -84,6 +122,8 @@ def _race_noise(B, V, device, generator, greedy):
 
 
 NGRAM_MAX, NGRAM_MIN = 3, 2  # prompt lookup: longest / shortest suffix n-gram to match
+NGRAM_START_K = 4  # prompt lookup chains start at this depth and go up to K after a fully accepted round
+NGRAM_TREE_MATCHES = 8  # prompt lookup trees merge the continuations of this many latest matches
 MIN_ATTEND = 256  # overridable for tests
 
 
@@ -111,10 +151,9 @@ class SpecGraphModel:
                 f"draft={draft!r} is not supported: use None (compiled plain decoding), 'ngram' (prompt lookup) "
                 "or a smaller PreTrainedModel with the same vocabulary"
             )
-        if tree is not None:
-            raise ValueError("tree speculation in the compiled step is not implemented yet: use tree=None (chain)")
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be a positive int, got {num_speculative_tokens!r}")
+        self.tree, self.tree_rank = self._parse_tree(tree, draft)
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
         if model.training:
@@ -122,7 +161,11 @@ class SpecGraphModel:
         self.model = model
         self.draft = draft
         self.draft_model = draft_model
-        self.k = 0 if draft is None else num_speculative_tokens
+        self.k = 0 if draft is None else (num_speculative_tokens if self.tree is None else self.tree.max_depth)
+        # cache slots one round writes: the root + K chain drafts, or the tree's nodes
+        self.span = self.k + 1 if self.tree is None else self.tree.num_nodes
+        # prompt-lookup chains move between these depths (one compiled graph each), see _next_k
+        self.k_ladder = sorted({min(self.k, NGRAM_START_K), self.k}) if draft == "ngram" else [self.k]
         self.backend = backend
         self.freeze = bool(freeze)
         self.max_batch_size = max_batch_size
@@ -147,6 +190,28 @@ class SpecGraphModel:
         self._fns: dict = {}
         self._kv: dict = {}
         self.pass_counts: dict = {}
+
+    @staticmethod
+    def _parse_tree(tree, draft):
+        """(TreeSpec, rank per node) for ``tree`` = list of paths (Medusa-style ranks), or (None, None)."""
+        if tree is None:
+            return None, None
+        if draft is None:
+            raise ValueError("tree= needs a draft ('ngram' or a draft model): plain decoding has nothing to branch on")
+        if isinstance(tree, str):
+            if tree == "dynamic":
+                raise ValueError(
+                    "tree='dynamic' needs a drafter that scores its own nodes (EAGLE); for 'ngram' and draft "
+                    "models pass a static tree as a list of paths, e.g. [(0,), (1,), (0, 0), (0, 0, 0)]"
+                )
+            raise ValueError(f"tree must be None, a list of paths or 'dynamic', got {tree!r}")
+        try:
+            spec, rank = tree_from_paths(tree)
+        except TypeError as e:
+            raise ValueError(f"tree must be a list of paths (tuples of ranks), got {tree!r}") from e
+        if draft == "ngram" and int(rank.max()) >= NGRAM_TREE_MATCHES:
+            raise ValueError(f"prompt-lookup trees rank at most {NGRAM_TREE_MATCHES} candidates per node; got rank {int(rank.max())}")
+        return spec, rank.tolist()
 
     # ------------------------------------------------------------------------------------------
     # graphs
@@ -216,6 +281,100 @@ class SpecGraphModel:
             self._fns[key] = self._compiled("round", round_fn)
         return self._fns[key]
 
+    def _tree_round_fn(self, B: int, params: SamplingParams, width: int):
+        """One verification round over a token tree of the compiled shape (N nodes, at most C
+        children per node, depth D), with the tree's topology an input (``parents``), then KV
+        compaction of the accepted path, all in one graph."""
+        key = ("tree", B, params, width)
+        if key not in self._fns:
+            S, window, spec = self.slots, self.window, self.tree
+            N, C, D = spec.num_nodes, spec.children.shape[1], spec.max_depth
+            step = self._step(B, N, width)
+            node = torch.arange(N)
+
+            def tree_round_fn(root, L, active, accept_u, expo, tree_tokens, parents, *kv):
+                # root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V] (or [B, N, 1]
+                # when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
+                depth, anc, children = tree_buffers(parents, C)
+                ids = torch.cat([root.unsqueeze(1), tree_tokens[:, 1:]], dim=1)  # [B, N]
+                pos = L.unsqueeze(1) + depth
+                valid = active.unsqueeze(1).expand_as(pos)
+                slots = torch.where(valid, L.unsqueeze(1) + node.to(L.device), S - 1)
+                mask = _tree_mask(L, pos, anc, valid, width, window).to(kv[0].dtype)
+                logits, _ = step(ids, pos, mask, slots, *kv)
+                noise = None if params.greedy else (accept_u, expo)
+                path_tokens, n, path_nodes = verify_tree_with_noise(
+                    logits, None, ids, children, D, noise,
+                    params.temperature, params.top_k, params.top_p, params.min_p,
+                )
+                _compact_path(kv, L, path_nodes, n, active, S - 1)
+                return path_tokens, n, path_nodes
+
+            self._fns[key] = self._compiled("tree_round", tree_round_fn)
+        return self._fns[key]
+
+    def _compact_fn(self, B: int, which: str):
+        key = ("compact", which, B)
+        if key not in self._fns:
+            S = self.slots
+
+            def compact_fn(L, path_nodes, n, active, *kv):
+                _compact_path(kv, L, path_nodes, n, active, S - 1)
+                return n
+
+            self._fns[key] = self._compiled("compact", compact_fn)
+        return self._fns[key]
+
+    def _draft_tree_fn(self, B: int, d: int, width: int):
+        """Draft-model expansion of tree level d: feed the nodes at depth d that have children
+        (at d = 0 also the previous token, as the chain's first draft step does), return the
+        draft's top-R tokens at each fed node [B, Q_d, R]. Children are picked deterministically
+        (top-k by rank), so verification treats them with recursive rejection: lossless."""
+        key = ("draft_tree", B, d, width)
+        if key not in self._fns:
+            S, window, spec = self.slots, self.draft_window, self.tree
+            fed = self._tree_levels[d]
+            R = max(self.tree_rank) + 1
+            Q = len(fed) + (1 if d == 0 else 0)
+            step = self._step(B, Q, width, which="draft")
+            fed_t = torch.tensor(fed)
+            anc_fed = spec.ancestors[fed_t]  # [Qd, N]
+
+            def draft_tree_fn(tree_tokens, prev, L, active, *kv):
+                # tree_tokens [B, N] (column 0 = root), prev [B] token at position L - 1
+                dev = L.device
+                Lc = L.unsqueeze(1)
+                ids = tree_tokens[:, fed_t.to(dev)]
+                pos = Lc + d
+                slots = Lc + fed_t.to(dev)
+                anc = anc_fed.to(dev).unsqueeze(0).expand(B, len(fed), spec.num_nodes)
+                valid = active.unsqueeze(1).expand(B, len(fed))
+                mask = _tree_mask(L, pos.expand(B, len(fed)), anc, valid, width, window)
+                if d == 0:  # the previous token, at position / slot L - 1, sees the committed prefix
+                    pv = active & (L >= 1)
+                    prev_mask = _step_mask((L - 1).clamp_min(0), (L - 1).clamp_min(0).unsqueeze(1), pv.unsqueeze(1), width, window)
+                    ids = torch.cat([prev.unsqueeze(1), ids], dim=1)
+                    pos = torch.cat([(Lc - 1).clamp_min(0), pos.expand(B, len(fed))], dim=1)
+                    slots = torch.cat([torch.where(pv.unsqueeze(1), Lc - 1, S - 1), slots], dim=1)
+                    valid = torch.cat([pv.unsqueeze(1), valid], dim=1)
+                    mask = torch.cat([prev_mask, mask], dim=2)
+                else:
+                    pos = pos.expand(B, len(fed))
+                slots = torch.where(valid, slots, S - 1)
+                logits, _ = step(ids, pos, mask.to(kv[0].dtype), slots, *kv)
+                return logits[:, Q - len(fed):].topk(R, dim=-1).indices  # [B, Qd, R]
+
+            self._fns[key] = self._compiled("draft_tree", draft_tree_fn)
+        return self._fns[key]
+
+    @property
+    def _tree_levels(self) -> list[list[int]]:
+        """Per depth d < D, the nodes at depth d that have children (what the draft must feed)."""
+        spec = self.tree
+        has_kids = (spec.children[:, 0] >= 0).tolist()
+        depth = spec.depth.tolist()
+        return [[i for i in range(spec.num_nodes) if depth[i] == d and has_kids[i]] for d in range(spec.max_depth)]
+
     def _cache(self, B: int, which: str = "target"):
         key = (which, B)
         if key not in self._kv:
@@ -252,8 +411,8 @@ class SpecGraphModel:
             self._fns[key] = self._compiled("draft", draft_fn)
         return self._fns[key]
 
-    def _propose(self, B, params, width, hist, L, root, active, generator, V):
-        """This round's drafts: (k, drafts [B, k], draft_probs [B, k, V] or None).
+    def _propose(self, B, params, width, hist, L, root, active, generator, V, k):
+        """This round's chain drafts: (k, drafts [B, k], draft_probs [B, k, V] or None).
 
         Prompt lookup only speculates when some live row matched an n-gram of at least
         ``NGRAM_MIN`` tokens; otherwise the round is a plain step (k = 0), so text without
@@ -262,10 +421,50 @@ class SpecGraphModel:
         if self.draft == "model":
             return (self.k, *self._propose_with_draft_model(B, params, width, hist, L, root, active, generator, V))
         if self.draft == "ngram":
-            drafts, matched = ngram_propose(hist, L + 1, self.k, NGRAM_MAX, NGRAM_MIN)
+            drafts, matched = ngram_propose(hist, L + 1, k, NGRAM_MAX, NGRAM_MIN)
             if bool((matched * active).any()):  # host sync: which graph runs depends on it
-                return self.k, drafts, None
+                return k, drafts, None
         return 0, hist[:, :0], None
+
+    def _propose_tree(self, B, width, hist, L, root, active):
+        """This round's tree: (tree_tokens [B, N], parents [B, N]), or None when prompt lookup
+        matched nothing (the round is then a plain step)."""
+        spec = self.tree
+        N = spec.num_nodes
+        device = hist.device
+        parents = spec.parents.to(device).expand(B, N)
+        if self.draft == "ngram":
+            tokens, matched = ngram_tree_propose(
+                hist, L + 1, spec.parents.tolist(), self.tree_rank, NGRAM_MAX, NGRAM_MIN, NGRAM_TREE_MATCHES)
+            if not bool((matched * active).any()):
+                return None
+            return tokens, parents
+        kv = self._cache(B, "draft")
+        prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
+        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+        tokens[:, 0] = root
+        kids = spec.children.tolist()
+        for d, fed in enumerate(self._tree_levels):
+            top = self._draft_tree_fn(B, d, width)(tokens, prev, L, active, *kv)  # [B, Qd, R]
+            for q, node in enumerate(fed):
+                for c in kids[node]:
+                    if c >= 0:
+                        tokens[:, c] = top[:, q, self.tree_rank[c]]
+        return tokens, parents
+
+    def _next_k(self, k, n_live) -> int:
+        """Prompt-lookup depth for the next round: one rung up the ladder after a round where some
+        live row accepted every draft (a long copy is running), one down when none accepted more
+        than half. Decided from the round's counts, which the host reads anyway."""
+        ladder = self.k_ladder
+        if k == 0 or k not in ladder or not n_live:
+            return self._k_now
+        i = ladder.index(k)
+        if any(n == k + 1 for n in n_live) and i + 1 < len(ladder):
+            return ladder[i + 1]
+        if all(n - 1 <= k // 2 for n in n_live) and i > 0:
+            return ladder[i - 1]
+        return k
 
     def _propose_with_draft_model(self, B, params, width, hist, L, root, active, generator, V):
         """K draft-model steps; returns drafts [B, K] and the q rows they were drawn from [B, K, V]."""
@@ -351,10 +550,10 @@ class SpecGraphModel:
                 raise ValueError(f"row {b} of the batch has no tokens (attention_mask is all zeros)")
             if vocab is not None and (min(r) < 0 or max(r) >= vocab):
                 raise ValueError(f"row {b} has token ids outside the model's vocabulary [0, {vocab})")
-            need = len(r) + max_new_tokens + self.k + 1
+            need = len(r) + max_new_tokens + self.span
             if need > self.max_seq_len:
                 raise ValueError(
-                    f"prompt length {len(r)} + max_new_tokens {max_new_tokens} + {self.k + 1} speculative slots "
+                    f"prompt length {len(r)} + max_new_tokens {max_new_tokens} + {self.span} speculative slots "
                     f"= {need} exceeds max_seq_len={self.max_seq_len}; pass a larger max_seq_len to specgraph.compile"
                 )
         return rows
@@ -391,7 +590,7 @@ class SpecGraphModel:
         device = next(self.model.parameters()).device
         n_rows = len(rows)
         B = _bucket(n_rows, self.max_batch_size)
-        S, K = self.slots, self.k
+        S = self.slots
         kv = self._cache(B)
         start = time.perf_counter()
         # state: committed length L (cache), root token, history (for n-gram lookup)
@@ -411,21 +610,32 @@ class SpecGraphModel:
             streamer.put(torch.tensor([rows[0]]))
         V = self.model.get_output_embeddings().weight.shape[0]
         L_host = [n - 1 for n in lens]
+        self._k_now = self.k_ladder[0]
         while not all(done):
-            need = max(L_host[b] for b in range(B) if not done[b]) + K + 1
+            need = max(L_host[b] for b in range(B) if not done[b]) + self.span
             width = attend_width(need, S)
             active = torch.tensor([not d for d in done], device=device)
-            k, drafts, draft_probs = self._propose(B, params, width, hist, L, root, active, generator, V)
-            if params.greedy:
-                accept_u = torch.zeros(B, k, device=device)
-                expo = torch.ones(B, k + 1, 1, device=device)
+            tree = None if self.tree is None else self._propose_tree(B, width, hist, L, root, active)
+            if tree is not None:
+                tokens, n = self._run_tree_round(B, params, width, tree, root, L, active, generator, V, kv)
+                k, depth = self.tree.num_nodes - 1, self.tree.max_depth
             else:
-                accept_u, expo = chain_noise(B, k, V, device, generator)
-            round_fn = self._round_fn(B, params, width, k)
-            tokens, n = round_fn(root, L, active, accept_u, expo, drafts,
-                                 accept_u if draft_probs is None else draft_probs, *kv)
+                if self.tree is None:
+                    k, drafts, draft_probs = self._propose(B, params, width, hist, L, root, active, generator, V, self._k_now)
+                else:  # tree mode and prompt lookup found nothing: a plain step
+                    k, drafts, draft_probs = 0, hist[:, :0], None
+                if params.greedy:
+                    accept_u = torch.zeros(B, k, device=device)
+                    expo = torch.ones(B, k + 1, 1, device=device)
+                else:
+                    accept_u, expo = chain_noise(B, k, V, device, generator)
+                round_fn = self._round_fn(B, params, width, k)
+                tokens, n = round_fn(root, L, active, accept_u, expo, drafts,
+                                     accept_u if draft_probs is None else draft_probs, *kv)
+                depth = k
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
             self.stats.rounds += 1
+            self._k_now = self._next_k(k, [n_h[b] for b in range(n_rows) if not done[b]])
             for b in range(n_rows):
                 if done[b]:
                     continue
@@ -434,7 +644,7 @@ class SpecGraphModel:
                 if stop is not None:
                     keep = keep[: stop + 1]
                 new[b].extend(keep)
-                self.stats.record_row(k, n_h[b], len(keep))
+                self.stats.record_row(k, n_h[b], len(keep), depth)
                 if stop is not None or len(new[b]) >= max_new_tokens:
                     done[b] = True
                 if streamer is not None and keep:
@@ -443,8 +653,9 @@ class SpecGraphModel:
             adv_h = [0 if done[b] else n_h[b] for b in range(B)]
             L_host = [L_host[b] + adv_h[b] for b in range(B)]
             adv = torch.tensor(adv_h, device=device)
-            pos = L.unsqueeze(1) + 1 + torch.arange(k + 1, device=device)  # history holds L + 1 tokens
-            write = torch.arange(k + 1, device=device).unsqueeze(0) < adv.unsqueeze(1)
+            T = tokens.shape[1]
+            pos = L.unsqueeze(1) + 1 + torch.arange(T, device=device)  # history holds L + 1 tokens
+            write = torch.arange(T, device=device).unsqueeze(0) < adv.unsqueeze(1)
             hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens, hist[:, S - 1 :]))
             L = L + adv
             root = torch.where(adv > 0, tokens.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
@@ -452,6 +663,20 @@ class SpecGraphModel:
             streamer.end()
         self.stats.seconds += time.perf_counter() - start
         return new
+
+    def _run_tree_round(self, B, params, width, tree, root, L, active, generator, V, kv):
+        tree_tokens, parents = tree
+        spec, device = self.tree, root.device
+        N, C = spec.num_nodes, spec.children.shape[1]
+        if params.greedy:
+            accept_u, expo = torch.zeros(B, N, C, device=device), torch.ones(B, N, 1, device=device)
+        else:
+            accept_u, expo = tree_noise(B, N, C, V, device, generator)
+        tokens, n, path_nodes = self._tree_round_fn(B, params, width)(
+            root, L, active, accept_u, expo, tree_tokens, parents, *kv)
+        if self.draft == "model":  # the draft cache holds the fed tree nodes at their tree slots too
+            self._compact_fn(B, "draft")(L, path_nodes, n, active, *self._cache(B, "draft"))
+        return tokens, n
 
     def _prefill(self, B, rows, kv, device, step, window):
         """Write every prompt token but the last (the first root) into the cache.

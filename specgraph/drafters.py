@@ -54,3 +54,87 @@ def ngram_propose(
     drafts = history.gather(1, pos.clamp(0, L - 1))
     drafts = torch.where(valid, drafts, last)
     return drafts, matched
+
+
+def _latest_matches(history, lengths, n, m):
+    """Starts of the continuations after the ``m`` latest earlier occurrences of each row's last
+    ``n`` tokens: [B, m] long, latest first, -1 where there are fewer matches."""
+    B, L = history.shape
+    device = history.device
+    suffix_pos = (lengths.unsqueeze(1) - n + torch.arange(n, device=device)).clamp_min(0)  # [B, n]
+    suffix = history.gather(1, suffix_pos)
+    windows = history.unfold(1, n, 1)  # [B, L-n+1, n]
+    starts = torch.arange(L - n + 1, device=device).unsqueeze(0)
+    ok = (windows == suffix.unsqueeze(1)).all(-1) & (starts + n < lengths.unsqueeze(1))
+    ok &= (lengths >= n + 1).unsqueeze(1)
+    top = torch.where(ok, starts, -1).topk(min(m, L - n + 1), dim=1).values  # latest first
+    if top.shape[1] < m:
+        top = torch.cat([top, top.new_full((B, m - top.shape[1]), -1)], dim=1)
+    return torch.where(top >= 0, top + n, -1)
+
+
+def ngram_tree_propose(
+    history: torch.Tensor,  # [B, L] long, valid tokens in [:, :lengths[b]]
+    lengths: torch.Tensor,  # [B] long (>= 1)
+    parents: list[int],  # [N] static tree shape, topological, parents[0] = -1
+    rank: list[int],  # [N] rank of each node among its siblings' candidate tokens (root: -1)
+    max_ngram: int = 3,
+    min_ngram: int = 1,
+    num_matches: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt lookup with several matches forming a tree.
+
+    The continuations after the ``num_matches`` latest occurrences of the longest matching suffix
+    n-gram are merged into a trie: a node of rank r gets the r-th most frequent next token among
+    the continuations that agree with its path (ties: the most recent). A node with no such
+    token repeats its first sibling's token (a repeated sibling can never be accepted: recursive
+    rejection removed that token, greedy took the first), or, as the first child, the last token.
+    Any deterministic proposal keeps verification lossless; these rules only avoid wasted nodes.
+
+    Returns ``tree_tokens`` [B, N] (the root's entry is the last token) and ``matched`` [B]: the
+    n-gram length that matched (0 = none).
+    """
+    B, L = history.shape
+    N, M = len(parents), num_matches
+    device = history.device
+    depth = [0] * N
+    first_child: dict[int, int] = {}
+    for i in range(1, N):
+        depth[i] = depth[parents[i]] + 1
+        first_child.setdefault(parents[i], i)
+    D = max(depth)
+    if max(rank) >= M:
+        raise ValueError(f"tree rank {max(rank)} needs num_matches > {max(rank)}, got {M}")
+    starts = torch.full((B, M), -1, dtype=torch.long, device=device)
+    matched = torch.zeros(B, dtype=torch.long, device=device)
+    for n in range(min_ngram, max_ngram + 1):  # longer n overrides shorter
+        if n >= L:
+            break
+        top = _latest_matches(history, lengths, n, M)
+        found = top[:, 0] >= 0
+        starts = torch.where(found.unsqueeze(1), top, starts)
+        matched = torch.where(found, n, matched)
+    last = history.gather(1, (lengths - 1).clamp_min(0).unsqueeze(1)).squeeze(1)  # [B]
+    if D == 0:
+        return last.unsqueeze(1), matched
+    pos = starts.unsqueeze(2) + torch.arange(D, device=device)  # [B, M, D]
+    known = (starts.unsqueeze(2) >= 0) & (pos < lengths.view(B, 1, 1))
+    cont = torch.where(known, history.gather(1, pos.clamp(0, L - 1).view(B, M * D)).view(B, M, D), -1)
+    recency = torch.arange(M, 0, -1, device=device)  # earlier candidate = more recent match
+    earlier = torch.ones(M, M, dtype=torch.bool, device=device).tril(-1)
+    agree = [torch.ones(B, M, dtype=torch.bool, device=device)]  # per node: candidates on its path
+    tokens = [last]
+    for i in range(1, N):
+        tok = cont[:, :, depth[i] - 1]  # [B, M]
+        cand = agree[parents[i]] & (tok >= 0)
+        same = (tok.unsqueeze(2) == tok.unsqueeze(1)) & cand.unsqueeze(2) & cand.unsqueeze(1)  # [B, M, M]
+        rep = cand & ~(same & earlier).any(-1)  # first (most recent) candidate of each distinct token
+        key = torch.where(rep, same.sum(-1) * (M + 1) + recency, -1)
+        best = key.topk(rank[i] + 1, dim=1)
+        ok = best.values[:, rank[i]] >= 0
+        pick = tok.gather(1, best.indices[:, rank[i] : rank[i] + 1]).squeeze(1)
+        sib = first_child[parents[i]]
+        fallback = last if sib == i else tokens[sib]
+        tokens.append(torch.where(ok, pick, fallback))
+        agree.append(cand & (tok == tokens[i].unsqueeze(1)) & ok.unsqueeze(1))
+    return torch.stack(tokens, dim=1), matched

@@ -36,14 +36,15 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.emitted / self.seconds if self.seconds > 0 else 0.0
 
-    def record_row(self, k: int, n_emitted: int, kept: int) -> None:
-        """One sequence's share of a round: k drafts, n_emitted tokens verified, kept of them used
-        (fewer at EOS or max_new_tokens). ``rounds`` is counted by the caller, once per round."""
+    def record_row(self, k: int, n_emitted: int, kept: int, depth: int | None = None) -> None:
+        """One sequence's share of a round: k drafts (tree nodes), n_emitted tokens verified, kept
+        of them used (fewer at EOS or max_new_tokens); ``depth`` = the tree's depth (default k, a
+        chain). ``rounds`` is counted by the caller, once per round."""
         self.drafted += k
         n_acc = n_emitted - 1
         self.accepted += n_acc
         self.emitted += kept
-        while len(self.accepted_at) < k:
+        while len(self.accepted_at) < (k if depth is None else depth):
             self.accepted_at.append(0)
         for j in range(n_acc):
             self.accepted_at[j] += 1

@@ -160,3 +160,39 @@ def ancestor_mask(parents) -> torch.Tensor:  # [N, N] bool
 def tree_positions(prefix_len: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     """Position ids of tree nodes: prefix length + depth. ``prefix_len`` [B] -> [B, N]."""
     return prefix_len.unsqueeze(-1) + depth.unsqueeze(0)
+
+
+def tree_buffers(
+    parents: torch.Tensor,  # [B, N] long, -1 for the root, topological (parent < index)
+    max_children: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row tree buffers computed on the device, for trees whose shape changes every round
+    (n-gram / suffix tries, dynamic trees) under one compiled graph of N nodes.
+
+    Returns ``depth`` [B, N] long, ``ancestors`` [B, N, N] bool (``[b, i, j]``: j is i or an
+    ancestor of i) and ``children`` [B, N, C] long (in ascending node order, -1 padded; C =
+    ``max_children``). A node with more than C children keeps its first C; the drafters never build
+    such trees, and a dropped child is only a draft that is not tried (still lossless).
+    No host sync: a static loop over N, traceable by torch.compile and torch.export.
+    """
+    B, N = parents.shape
+    device = parents.device
+    eye = torch.eye(N, dtype=torch.bool, device=device)
+    par = parents.clamp_min(0)
+    depth = torch.zeros(B, N, dtype=torch.long, device=device)
+    anc = eye.unsqueeze(0).expand(B, N, N).clone()
+    for i in range(1, N):  # topological order: a parent's row is final before its children read it
+        p = par[:, i : i + 1]  # [B, 1]
+        depth[:, i] = depth.gather(1, p).squeeze(1) + 1
+        anc[:, i] = anc.gather(1, p.unsqueeze(-1).expand(B, 1, N)).squeeze(1) | eye[i]
+    # child rank = number of earlier siblings; slot (parent, rank) holds the child
+    is_child = parents >= 0
+    same = (parents.unsqueeze(2) == parents.unsqueeze(1)) & is_child.unsqueeze(2)  # [B, N, N]
+    earlier = torch.ones(N, N, dtype=torch.bool, device=device).tril(-1)
+    rank = (same & earlier).sum(-1)  # [B, N]
+    keep = is_child & (rank < max_children)
+    flat = torch.where(keep, par * max_children + rank, N * max_children)  # overflow -> dump slot
+    node = torch.arange(N, device=device).expand(B, N)
+    children = torch.full((B, N * max_children + 1), -1, dtype=torch.long, device=device)
+    children = children.scatter(1, flat, node)[:, :-1].view(B, N, max_children)
+    return depth, anc, children

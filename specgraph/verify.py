@@ -211,11 +211,14 @@ def walk_tree(
 
 
 def _greedy_tree_outcomes(target_logits, tree_tokens, children):
+    # children [N, C] shared by every row, or [B, N, C] per row
     B, N, _ = target_logits.shape
     target = target_logits.argmax(dim=-1)  # [B, N]
     choice = torch.full((B, N), -1, dtype=torch.long, device=target.device)
-    for j in reversed(range(children.shape[1])):  # reversed: the first matching child wins
-        child = children[:, j].unsqueeze(0).expand(B, N)
+    if children.dim() == 2:
+        children = children.unsqueeze(0).expand(B, N, children.shape[1])
+    for j in reversed(range(children.shape[2])):  # reversed: the first matching child wins
+        child = children[:, :, j]
         child_tok = tree_tokens.gather(1, child.clamp_min(0))
         choice = torch.where((child >= 0) & (child_tok == target), child, choice)
     return choice, target
@@ -288,3 +291,33 @@ def verify_tree(
         expo = exponential_noise((B, N, V), device, generator)
         choice, sampled = tree_outcomes(warped, draft_probs, tree_tokens, children, accept_u, expo)
     return walk_tree(choice, sampled, tree_tokens, spec.max_depth)
+
+
+def tree_noise(B: int, N: int, C: int, V: int, device, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random inputs of one tree verification: accept_u [B, N, C] and expo [B, N, V]."""
+    return _uniform((B, N, C), device, generator), exponential_noise((B, N, V), device, generator)
+
+
+def verify_tree_with_noise(
+    target_logits: torch.Tensor,  # [B, N, V]
+    draft_probs: torch.Tensor | None,  # [B, N, V] or None (deterministic children)
+    tree_tokens: torch.Tensor,  # [B, N] long, the root's entry is ignored
+    children: torch.Tensor,  # [N, C] or per row [B, N, C] long, -1 padded
+    max_depth: int,
+    noise: tuple[torch.Tensor, torch.Tensor] | None,  # (accept_u [B, N, C], expo [B, N, V]); None if greedy
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`verify_tree` with the random numbers and the children table as inputs and no checks:
+    the form traced into compiled graphs, where a tree's shape may change per row and per round
+    (see :func:`specgraph.trees.tree_buffers`). Returns path_tokens, num_emitted, path_nodes."""
+    tree_tokens = torch.cat([torch.zeros_like(tree_tokens[:, :1]), tree_tokens[:, 1:]], dim=1)
+    if is_greedy(temperature):
+        choice, sampled = _greedy_tree_outcomes(target_logits, tree_tokens, children)
+    else:
+        accept_u, expo = noise
+        warped = warp_logits(target_logits, temperature, top_k, top_p, min_p)
+        choice, sampled = tree_outcomes(warped, draft_probs, tree_tokens, children, accept_u, expo)
+    return walk_tree(choice, sampled, tree_tokens, max_depth)

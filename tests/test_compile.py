@@ -157,18 +157,24 @@ def pick_eos_single(new: torch.Tensor) -> int:
 # 1. greedy equality with model.generate, 8 architectures x {plain, n-gram}, batch 1 and 4, EOS
 
 
-@pytest.mark.parametrize("draft", [None, "ngram", "model", "self"])
+# a static tree: two candidates at depth 1, three under the best one, depth 3 (7 nodes)
+TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+@pytest.mark.parametrize("draft", [None, "ngram", "model", "self", "ngram-tree", "model-tree", "self-tree"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
     # small attended widths so rounds cross several attend_prefix_pass buckets (32 -> 64 slots)
     monkeypatch.setattr(sg_compiler, "MIN_ATTEND", 16)
     model = tiny_model(arch)
-    kind = draft
+    kind, tree = draft, None
+    if draft is not None and draft.endswith("-tree"):
+        draft, tree = draft.removesuffix("-tree"), TREE
     if draft == "model":  # another random model of the same family and vocab: mostly rejections
         draft = tiny_model(arch, seed=1)
     elif draft == "self":  # the target drafting for itself: a KV or mask bug shows as rejections
         draft = model
-    fast = specgraph.compile(model, draft, num_speculative_tokens=4, backend="eager",
+    fast = specgraph.compile(model, draft, num_speculative_tokens=4, tree=tree, backend="eager",
                              max_batch_size=4, max_seq_len=MAX_SEQ)
     assert fast.fallback_reason is None
     accepted = 0
@@ -184,6 +190,8 @@ def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
             assert fast.stats.accepted == 0 and fast.stats.rounds == MAX_NEW
         if kind == "self":
             assert fast.stats.accepted == fast.stats.drafted, "draft = target must accept every draft"
+        if kind == "self-tree":  # the top-1 path is the target's own choice at every depth
+            assert fast.stats.accepted == fast.stats.rounds * len(rows) * fast.tree.max_depth, fast.stats
 
         # EOS: a token the model really generates; rows padded with PAD after their EOS, as HF does.
         new = ref[:, ids.shape[1]:]
@@ -194,7 +202,7 @@ def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
         assert (ref_eos[:, ids.shape[1]:] == eos).any()
         if len(rows) > 1:
             assert (ref_eos[:, ids.shape[1]:] == PAD).any(), "EOS choice should leave padding in some row"
-    if kind == "ngram":
+    if kind in ("ngram", "ngram-tree"):
         assert accepted > 0, f"{arch}: no n-gram draft was ever accepted"
     widths = {key[-1] for key in fast._steps if key[-1] < fast.slots}
     assert len(widths) >= 2, f"expected rounds on several attended widths, got {widths}"
@@ -411,7 +419,6 @@ def test_rejects_too_long_for_max_seq_len(llama):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(draft="medusa"), "draft"),
-    (dict(draft="ngram", tree=[(0,), (1,)]), "tree"),
     (dict(draft="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
 ])
 def test_rejects_bad_compile_arguments(llama, kwargs, match):
@@ -490,3 +497,79 @@ def test_rejects_draft_model_with_other_vocabulary(llama):
 def test_rejects_draft_model_in_training_mode(llama):
     with pytest.raises(ValueError, match="eval"):
         specgraph.compile(llama, tiny_model("llama", seed=1).train(), backend="eager")
+
+
+# ----------------------------------------------------------------------------------------------
+# trees: power of the equality test, the inductor backend, and the prompt-lookup depth ladder
+
+
+def _siblings_visible(orig):
+    """Every tree node sees every earlier tree slot (a chain mask on a tree): siblings leak in."""
+    def broken(L, q_pos, anc, valid, width, window):
+        B, Q, N = anc.shape
+        return orig(L, q_pos, torch.ones_like(anc).tril(), valid, width, window)
+    return broken
+
+
+def _no_compaction(orig):
+    def broken(kv, L, path_nodes, n, active, scratch):
+        return None
+    return broken
+
+
+@pytest.mark.parametrize("breakage", [_siblings_visible, _no_compaction])
+def test_broken_tree_round_breaks_greedy_equality(monkeypatch, breakage):
+    model = tiny_model("llama")
+    ids, mask = left_pad(PROMPTS_4)
+    ref = hf_generate(model, ids, mask)
+    fast = specgraph.compile(model, model, tree=TREE, backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
+    assert torch.equal(sg_generate(fast, ids, mask), ref)  # control
+    name = "_tree_mask" if breakage is _siblings_visible else "_compact_path"
+    monkeypatch.setattr(sg_compiler, name, breakage(getattr(sg_compiler, name)))
+    fast = specgraph.compile(model, model, tree=TREE, backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
+    out = sg_generate(fast, ids, mask)
+    assert out.shape == ref.shape
+    assert not torch.equal(out, ref), f"{breakage.__name__} went unnoticed"
+
+
+def test_inductor_tree_rounds_with_compaction():
+    """Self-drafted tree under Inductor: the in-graph KV compaction (index_put_ on graph inputs
+    after the step's own cache writes) must keep every round fully accepted and the text exact."""
+    model = tiny_model("llama")
+    fast = specgraph.compile(model, model, tree=TREE, backend="inductor", max_batch_size=2, max_seq_len=64)
+    ids, mask = left_pad([PROMPTS_4[0][:9], PROMPTS_4[1]])
+    ref = hf_generate(model, ids, mask, max_new_tokens=16)
+    out = sg_generate(fast, ids, mask, max_new_tokens=16)
+    assert_same(model, ids, mask, ref, out, "inductor llama self-tree B=2")
+    assert fast.stats.accepted == fast.stats.rounds * 2 * fast.tree.max_depth, fast.stats
+
+
+def test_ngram_depth_ladder_goes_up_on_long_copies():
+    """K=8 prompt lookup starts at depth 4 and moves to 8 after a fully accepted round."""
+    model = tiny_model("llama")
+    pattern = [124, 119]
+    ids, mask = left_pad([pattern * 8])
+    ref = hf_generate(model, ids, mask, max_new_tokens=40)
+    fast = specgraph.compile(model, "ngram", num_speculative_tokens=8, backend="eager", max_batch_size=1, max_seq_len=96)
+    assert fast.k_ladder == [4, 8]
+    used = []
+    orig = fast._round_fn
+    fast._round_fn = lambda B, params, width, k: used.append(k) or orig(B, params, width, k)
+    out = sg_generate(fast, ids, mask, max_new_tokens=40)
+    assert_same(model, ids, mask, ref, out, "periodic llama K=8")
+    assert used[0] == 4 and 8 in used, used
+    assert fast.stats.mean_emitted > 5, fast.stats
+
+
+@pytest.mark.parametrize("tree, match", [
+    ("dynamic", "EAGLE"), ("bushy", "list of paths"), ([(0,), (0,)], "duplicate"), ([(0, 0)], "prefix"),
+    ([(0,), (9,)], "rank at most"),
+])
+def test_rejects_bad_trees(llama, tree, match):
+    with pytest.raises(ValueError, match=match):
+        specgraph.compile(llama, "ngram", tree=tree, backend="eager")
+
+
+def test_rejects_tree_without_draft(llama):
+    with pytest.raises(ValueError, match="needs a draft"):
+        specgraph.compile(llama, None, tree=[(0,)], backend="eager")

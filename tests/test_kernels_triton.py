@@ -347,6 +347,38 @@ def case_tree_branchy_v7_onehot_duplicate_siblings():
     return _tree(logits, None, tokens, spec, g, expect=_mixed_choices)
 
 
+def _per_row_children(parent_rows, C):
+    from specgraph.trees import tree_buffers
+
+    return tree_buffers(torch.tensor(parent_rows), C)[2]  # [B, N, C]
+
+
+# Two rows with different shapes under one N (n-gram / suffix tries): row 0 a wide root, row 1 a chain.
+_PER_ROW_PARENTS = [[-1, 0, 0, 0, 1, 2], [-1, 0, 1, 2, 3, 4]]
+
+
+@_case
+def case_tree_per_row_children_v7_onehot():
+    g = _gen(41)
+    children = _per_row_children(_PER_ROW_PARENTS, 3)
+    logits = torch.randn(2, 6, 7, generator=g)
+    tokens = torch.randint(0, 7, (2, 6), generator=g)
+    tokens[1, 1:] = logits[1, :5].argmax(-1)  # row 1's chain is the target's argmax: accepts likely
+    args = (logits, None, tokens, children, torch.rand(2, 6, 3, generator=g), _expo((2, 6, 7), g))
+    return {"kind": "tree", "args": args, "block_v": None, "expect": None}
+
+
+@_case
+def case_tree_per_row_children_v1000_q_block128():
+    g = _gen(42)
+    children = _per_row_children(_PER_ROW_PARENTS, 3)
+    logits = torch.randn(2, 6, 1000, generator=g) * 2
+    q = warped_probs(logits + torch.randn(2, 6, 1000, generator=g))
+    tokens = _sample(q, g)
+    args = (logits, q, tokens, children, torch.rand(2, 6, 3, generator=g), _expo((2, 6, 1000), g))
+    return {"kind": "tree", "args": args, "block_v": 128, "expect": None}
+
+
 @_case
 def case_tree_branchy_v1000_topk_onehot_block128():
     g = _gen(25)
@@ -624,3 +656,22 @@ def test_cuda_matches_reference_without_sync(name):
     want = ref(*args)
     for a, b in zip(got, want):
         assert torch.equal(a.cpu(), b.cpu()), (name, a.tolist(), b.tolist())
+
+
+def test_reference_per_row_children_equal_row_by_row():
+    """[B, N, C] children give each row exactly what its own [N, C] table gives it."""
+    g = _gen(43)
+    children = _per_row_children(_PER_ROW_PARENTS, 3)
+    for q_kind in ("onehot", "q"):
+        logits = torch.randn(2, 6, 9, generator=g) * 2
+        q = None if q_kind == "onehot" else warped_probs(torch.randn(2, 6, 9, generator=g))
+        tokens = torch.randint(0, 9, (2, 6), generator=g)
+        u, e = torch.rand(2, 6, 3, generator=g), _expo((2, 6, 9), g)
+        choice, sampled = tree_outcomes_reference(logits, q, tokens, children, u, e)
+        for b in range(2):
+            spec = TreeSpec.from_parents(_PER_ROW_PARENTS[b])
+            kids = torch.full((6, 3), -1, dtype=torch.long)
+            kids[:, : spec.children.shape[1]] = spec.children
+            qb = None if q is None else q[b : b + 1]
+            cb, sb = tree_outcomes_reference(logits[b : b + 1], qb, tokens[b : b + 1], kids, u[b : b + 1], e[b : b + 1])
+            assert torch.equal(choice[b], cb[0]) and torch.equal(sampled[b], sb[0]), (q_kind, b)
