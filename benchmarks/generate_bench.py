@@ -2,7 +2,8 @@
 
 Methods: HF generate plain; HF prompt lookup (prompt_lookup_num_tokens=3 and 10); HF assisted generation
 with a layer-truncated SmolLM2 draft; specgraph without draft (compiled plain decoding); specgraph
-"ngram" chain; specgraph with the same layer-truncated draft model. For each prompt and method: median
+"ngram" chain (K = --k, and K = --k-long, which climbs from depth 4 to K on long copies); specgraph "ngram"
+tree (--tree, paths of match ranks); specgraph with the same layer-truncated draft model. For each prompt and method: median
 tokens/s over --runs, the ratio to HF plain on the same prompt, mean emitted tokens per round, and
 greedy equality with HF plain. Prints a table and writes JSON.
 
@@ -68,6 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--k", type=int, default=4, help="speculative tokens for specgraph ngram")
+    ap.add_argument("--k-long", type=int, default=10, help="a second ngram chain with this K (0 = skip)")
+    ap.add_argument("--tree", default="0;1;0,0;1,0;0,0,0;0,0,0,0;0,0,0,0,0;0,0,0,0,0,0",
+                    help="ngram tree as ';'-separated paths of ranks ('' = skip)")
     ap.add_argument("--prompts", default=",".join(PROMPTS))
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--draft-layers", type=int, default=6, help="layers of the truncated draft model (0 = skip)")
@@ -81,6 +85,12 @@ def main(argv=None) -> int:
     sg_plain = specgraph.compile(model, None, backend=args.backend, max_batch_size=1, max_seq_len=1024)
     sg_ngram = specgraph.compile(model, "ngram", num_speculative_tokens=args.k, backend=args.backend,
                                  max_batch_size=1, max_seq_len=1024)
+
+    sg_long = None if not args.k_long else specgraph.compile(
+        model, "ngram", num_speculative_tokens=args.k_long, backend=args.backend, max_batch_size=1, max_seq_len=1024)
+    tree = [tuple(int(r) for r in p.split(",")) for p in args.tree.split(";")] if args.tree else None
+    sg_tree = None if tree is None else specgraph.compile(
+        model, "ngram", tree=tree, backend=args.backend, max_batch_size=1, max_seq_len=1024)
 
     draft = truncated_draft(model, args.draft_layers) if args.draft_layers else None
     sg_draft = None if draft is None else specgraph.compile(
@@ -104,6 +114,10 @@ def main(argv=None) -> int:
         "specgraph_plain": sg(sg_plain),
         f"specgraph_ngram_k{args.k}": sg(sg_ngram),
     }
+    if sg_long is not None:
+        methods[f"specgraph_ngram_k{args.k_long}"] = sg(sg_long)
+    if sg_tree is not None:
+        methods[f"specgraph_ngram_tree{sg_tree.tree.num_nodes}"] = sg(sg_tree)
     if draft is not None:
         methods[f"hf_assisted_{args.draft_layers}L"] = lambda ids: hf(ids, assistant_model=draft)
         methods[f"specgraph_draft_{args.draft_layers}L_k{args.k}"] = sg(sg_draft)
@@ -135,10 +149,11 @@ def main(argv=None) -> int:
             })
             r = rows[-1]
             em = "-" if r["mean_emitted_per_round"] is None else f"{r['mean_emitted_per_round']:.2f}"
-            print(f"{pname:<10} {name:<22} {tps:8.1f} tok/s {r['ratio_vs_hf_plain']:6.2f}x  emitted/round {em:>5}  "
+            print(f"{pname:<10} {name:<26} {tps:8.1f} tok/s {r['ratio_vs_hf_plain']:6.2f}x  emitted/round {em:>5}  "
                   f"equal={r['greedy_equal_hf']}", flush=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "max_new_tokens": N, "runs": args.runs,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "backend": args.backend}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "backend": args.backend, "tree": args.tree,
+            "k": args.k, "k_long": args.k_long, "draft_layers": args.draft_layers}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -244,15 +244,29 @@ class SpecGraphModel:
         # Applied as a config patch around every call: torch.compile(options=...) ignores
         # "freezing", and a recompile must see the same settings as the first compile.
         config = {"freezing": self.freeze}
-        if next(self.model.parameters()).device.type == "cpu":
+        device = next(self.model.parameters()).device
+        if device.type == "cpu":
             config["cpp.threads"] = 1
-        compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+        if device.type != "cuda":
+            compiled = torch.compile(fn, dynamic=False, fullgraph=True)
 
-        def run(*args):
+            def run(*args):
+                with torch._inductor.config.patch(config):
+                    return compiled(*args)
+
+            return run
+        # CUDA: one CUDA graph per compiled shape (batch bucket, depth / tree size, attended width):
+        # Inductor's cudagraph trees record each graph on first use and replay it afterwards. The KV
+        # caches are marked static (see _cache), so their in-place writes stay inside the graph;
+        # outputs live in the graph's pool and are overwritten by the next replay, hence the clone.
+        compiled = torch.compile(fn, mode="reduce-overhead", dynamic=False, fullgraph=True)
+
+        def run_cuda(*args):
             with torch._inductor.config.patch(config):
-                return compiled(*args)
+                out = compiled(*args)
+            return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
-        return run
+        return run_cuda
 
     def _round_fn(self, B: int, params: SamplingParams, width: int, k: int):
         """One verification round over k given drafts (k = 0: a plain decoding step)."""
@@ -380,6 +394,9 @@ class SpecGraphModel:
         if key not in self._kv:
             model = self.model if which == "target" else self.draft_model
             self._kv[key] = new_kv_cache(model, B, self.slots)
+            if self._kv[key][0].is_cuda and self.backend == "inductor":
+                for t in self._kv[key]:  # fixed addresses: mutated inside recorded CUDA graphs
+                    torch._dynamo.mark_static_address(t)
         return self._kv[key]
 
     def _draft_fn(self, B: int, Q: int, params: SamplingParams, width: int):
