@@ -14,6 +14,7 @@ is a scratch slot where padding and finished rows write.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 import warnings
 
@@ -22,6 +23,7 @@ import torch
 from specgraph.capture import Step, UnsupportedModel, capture_step, check_supported, new_kv_cache
 from specgraph.drafters import ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
+from specgraph.suffix import SuffixIndex
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
 from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
 from specgraph.verify import chain_noise, exponential_noise, tree_noise, verify_chain_with_noise, verify_tree_with_noise
@@ -124,7 +126,24 @@ def _race_noise(B, V, device, generator, greedy):
 NGRAM_MAX, NGRAM_MIN = 3, 2  # prompt lookup: longest / shortest suffix n-gram to match
 NGRAM_START_K = 4  # prompt lookup chains start at this depth and go up to K after a fully accepted round
 NGRAM_TREE_MATCHES = 8  # prompt lookup trees merge the continuations of this many latest matches
+SUFFIX_TREE_SIZES = (4, 16)  # drafted nodes of the compiled suffix-tree shapes; the smallest that fits is used
+SUFFIX_CHILDREN = 4  # children per node in suffix trees
 MIN_ATTEND = 256  # overridable for tests
+
+
+def next_k(ladder: list[int], k_now: int, k: int, n_live: list[int]) -> int:
+    """Model-free chain depth for the next round, given the depth ``k`` this round used and the
+    tokens each live row emitted (``n_live``): one rung up the ladder after a round where some
+    row accepted every draft (a long copy is running), one down when none accepted more than half;
+    unchanged after a plain round. Decided from the round's counts, which the host reads anyway."""
+    if k == 0 or k not in ladder or not n_live:
+        return k_now
+    i = ladder.index(k)
+    if any(n == k + 1 for n in n_live) and i + 1 < len(ladder):
+        return ladder[i + 1]
+    if all(n - 1 <= k // 2 for n in n_live) and i > 0:
+        return ladder[i - 1]
+    return k
 
 
 def attend_width(need: int, slots: int) -> int:
@@ -146,9 +165,14 @@ class SpecGraphModel:
         if isinstance(draft, torch.nn.Module):
             draft_model, draft = draft, "model"
             _check_draft_model(model, draft_model)
+        elif isinstance(draft, SuffixIndex):
+            self.suffix_index, draft = draft, "suffix"
+        elif draft == "suffix":
+            self.suffix_index = SuffixIndex()
         elif draft not in (None, "ngram"):
             raise ValueError(
-                f"draft={draft!r} is not supported: use None (compiled plain decoding), 'ngram' (prompt lookup) "
+                f"draft={draft!r} is not supported: use None (compiled plain decoding), 'ngram' (prompt lookup), "
+                "'suffix' (suffix decoding; or a specgraph.suffix.SuffixIndex to share one index), "
                 "or a smaller PreTrainedModel with the same vocabulary"
             )
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
@@ -161,11 +185,19 @@ class SpecGraphModel:
         self.model = model
         self.draft = draft
         self.draft_model = draft_model
-        self.k = 0 if draft is None else (num_speculative_tokens if self.tree is None else self.tree.max_depth)
+        self.dynamic_tree = self.tree == "dynamic"
+        self.k = 0 if draft is None else (
+            self.tree.max_depth if isinstance(self.tree, TreeSpec) else num_speculative_tokens)
         # cache slots one round writes: the root + K chain drafts, or the tree's nodes
-        self.span = self.k + 1 if self.tree is None else self.tree.num_nodes
-        # prompt-lookup chains move between these depths (one compiled graph each), see _next_k
-        self.k_ladder = sorted({min(self.k, NGRAM_START_K), self.k}) if draft == "ngram" else [self.k]
+        if self.tree is None:
+            self.span = self.k + 1
+        else:
+            self.span = 1 + max(SUFFIX_TREE_SIZES) if self.dynamic_tree else self.tree.num_nodes
+        # model-free chains move between these depths (one compiled graph each), see _next_k
+        model_free = draft in ("ngram", "suffix")
+        self.k_ladder = sorted({min(self.k, NGRAM_START_K), self.k}) if model_free else [self.k]
+        self._lock = threading.RLock()  # one generate at a time per object (shared KV caches)
+        self._sessions = None
         self.backend = backend
         self.freeze = bool(freeze)
         self.max_batch_size = max_batch_size
@@ -200,11 +232,15 @@ class SpecGraphModel:
             raise ValueError("tree= needs a draft ('ngram' or a draft model): plain decoding has nothing to branch on")
         if isinstance(tree, str):
             if tree == "dynamic":
+                if draft == "suffix":
+                    return "dynamic", None
                 raise ValueError(
-                    "tree='dynamic' needs a drafter that scores its own nodes (EAGLE); for 'ngram' and draft "
-                    "models pass a static tree as a list of paths, e.g. [(0,), (1,), (0, 0), (0, 0, 0)]"
+                    "tree='dynamic' needs a drafter that scores its own nodes (draft='suffix'; EAGLE later); for "
+                    "'ngram' and draft models pass a static tree as a list of paths, e.g. [(0,), (1,), (0, 0), (0, 0, 0)]"
                 )
             raise ValueError(f"tree must be None, a list of paths or 'dynamic', got {tree!r}")
+        if draft == "suffix":
+            raise ValueError("draft='suffix' builds its own trees: use tree='dynamic' (or tree=None for a chain)")
         try:
             spec, rank = tree_from_paths(tree)
         except TypeError as e:
@@ -295,14 +331,14 @@ class SpecGraphModel:
             self._fns[key] = self._compiled("round", round_fn)
         return self._fns[key]
 
-    def _tree_round_fn(self, B: int, params: SamplingParams, width: int):
-        """One verification round over a token tree of the compiled shape (N nodes, at most C
-        children per node, depth D), with the tree's topology an input (``parents``), then KV
-        compaction of the accepted path, all in one graph."""
-        key = ("tree", B, params, width)
+    def _tree_round_fn(self, B: int, params: SamplingParams, width: int, shape: tuple[int, int, int]):
+        """One verification round over a token tree of the compiled ``shape`` (N nodes, at most C
+        children per node, depth at most D), with the tree's topology an input (``parents``), then
+        KV compaction of the accepted path, all in one graph."""
+        key = ("tree", B, params, width, shape)
         if key not in self._fns:
-            S, window, spec = self.slots, self.window, self.tree
-            N, C, D = spec.num_nodes, spec.children.shape[1], spec.max_depth
+            S, window = self.slots, self.window
+            N, C, D = shape
             step = self._step(B, N, width)
             node = torch.arange(N)
 
@@ -441,13 +477,24 @@ class SpecGraphModel:
             drafts, matched = ngram_propose(hist, L + 1, k, NGRAM_MAX, NGRAM_MIN)
             if bool((matched * active).any()):  # host sync: which graph runs depends on it
                 return k, drafts, None
+        if self.draft == "suffix":  # the best path of the suffix tree as a chain
+            chains = [s.propose(k, 1, k).best_chain(k) for s in self._sessions]
+            if any(c for c, a in zip(chains, active.tolist()) if a):
+                drafts = root.unsqueeze(1).repeat(1, k).cpu()  # padding: repeats of the root, just rejected
+                for b, c in enumerate(chains):
+                    if c:
+                        drafts[b, : len(c)] = torch.tensor(c)
+                return k, drafts.to(root.device), None
         return 0, hist[:, :0], None
 
     def _propose_tree(self, B, width, hist, L, root, active):
-        """This round's tree: (tree_tokens [B, N], parents [B, N]), or None when prompt lookup
-        matched nothing (the round is then a plain step)."""
+        """This round's tree: (tree_tokens [B, N], parents [B, N], shape (N, C, D), drafted nodes
+        per row), or None when the model-free drafter matched nothing (then a plain step)."""
+        if self.dynamic_tree:
+            return self._propose_suffix_tree(B, root, active)
         spec = self.tree
         N = spec.num_nodes
+        shape = (N, spec.children.shape[1], spec.max_depth)
         device = hist.device
         parents = spec.parents.to(device).expand(B, N)
         if self.draft == "ngram":
@@ -455,7 +502,7 @@ class SpecGraphModel:
                 hist, L + 1, spec.parents.tolist(), self.tree_rank, NGRAM_MAX, NGRAM_MIN, NGRAM_TREE_MATCHES)
             if not bool((matched * active).any()):
                 return None
-            return tokens, parents
+            return tokens, parents, shape, [N - 1] * B
         kv = self._cache(B, "draft")
         prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
         tokens = torch.zeros(B, N, dtype=torch.long, device=device)
@@ -467,21 +514,34 @@ class SpecGraphModel:
                 for c in kids[node]:
                     if c >= 0:
                         tokens[:, c] = top[:, q, self.tree_rank[c]]
-        return tokens, parents
+        return tokens, parents, shape, [N - 1] * B
 
+    def _propose_suffix_tree(self, B, root, active):
+        """Suffix-decoding trees, one per row (host side: the suffix index lives in Python), packed
+        into the smallest compiled shape that holds the largest. Padding nodes hang under the root
+        and repeat its first child's token: a repeated sibling is never accepted (greedy takes the
+        first, recursive rejection zeroed that token), so padding costs compute, never exactness."""
+        props = [s.propose(max(SUFFIX_TREE_SIZES), SUFFIX_CHILDREN, self.k) if s is not None else None
+                 for s in self._sessions + [None] * (B - len(self._sessions))]
+        drafted = [0 if p is None else len(p.tokens) - 1 for p in props]
+        if not any(d > 0 for d, a in zip(drafted, active.tolist()) if a):
+            return None
+        n = next(size for size in SUFFIX_TREE_SIZES if size >= max(drafted))
+        N, C = n + 1, SUFFIX_CHILDREN
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        parents = torch.zeros(B, N, dtype=torch.long)
+        parents[:, 0] = -1
+        for b, p in enumerate(props):
+            if p is None or len(p.tokens) == 1:
+                continue
+            m = len(p.tokens)
+            tokens[b, 1:m] = torch.tensor(p.tokens[1:])
+            parents[b, 1:m] = torch.tensor(p.parents[1:])
+            tokens[b, m:] = p.tokens[1]  # padding: repeats of the root's first child
+        device = root.device
+        return tokens.to(device), parents.to(device), (N, C, min(self.k, n)), drafted
     def _next_k(self, k, n_live) -> int:
-        """Prompt-lookup depth for the next round: one rung up the ladder after a round where some
-        live row accepted every draft (a long copy is running), one down when none accepted more
-        than half. Decided from the round's counts, which the host reads anyway."""
-        ladder = self.k_ladder
-        if k == 0 or k not in ladder or not n_live:
-            return self._k_now
-        i = ladder.index(k)
-        if any(n == k + 1 for n in n_live) and i + 1 < len(ladder):
-            return ladder[i + 1]
-        if all(n - 1 <= k // 2 for n in n_live) and i > 0:
-            return ladder[i - 1]
-        return k
+        return next_k(self.k_ladder, self._k_now, k, n_live)
 
     def _propose_with_draft_model(self, B, params, width, hist, L, root, active, generator, V):
         """K draft-model steps; returns drafts [B, K] and the q rows they were drawn from [B, K, V]."""
@@ -540,13 +600,22 @@ class SpecGraphModel:
         if do_sample and temperature == 0:
             raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy)")
         rows = self._rows(input_ids, attention_mask, max_new_tokens)
-        self.stats = Stats()  # per call
         if streamer is not None and len(rows) != 1:
             raise ValueError("streamers support batch size 1 only (as in transformers)")
-        if self.fallback_reason is not None:
-            new = self._generate_eager(rows, max_new_tokens, params, eos, generator, streamer)
-        else:
-            new = self._generate_compiled(rows, max_new_tokens, params, eos, generator, streamer)
+        with self._lock:  # concurrent calls on one object share its KV caches: one at a time
+            self.stats = Stats()  # per call
+            if self.fallback_reason is not None:
+                new = self._generate_eager(rows, max_new_tokens, params, eos, generator, streamer)
+            elif self.draft == "suffix":
+                self._sessions = [self.suffix_index.start(r) for r in rows]
+                try:
+                    new = self._generate_compiled(rows, max_new_tokens, params, eos, generator, streamer)
+                finally:
+                    self._sessions = None
+                for r, n in zip(rows, new):  # later requests may repeat this one
+                    self.suffix_index.add_document(r + n)
+            else:
+                new = self._generate_compiled(rows, max_new_tokens, params, eos, generator, streamer)
         return self._assemble(input_ids, new, pad_token_id)
 
     def _rows(self, input_ids, attention_mask, max_new_tokens) -> list[list[int]]:
@@ -635,7 +704,7 @@ class SpecGraphModel:
             tree = None if self.tree is None else self._propose_tree(B, width, hist, L, root, active)
             if tree is not None:
                 tokens, n = self._run_tree_round(B, params, width, tree, root, L, active, generator, V, kv)
-                k, depth = self.tree.num_nodes - 1, self.tree.max_depth
+                k, depth = tree[3], tree[2][2]  # drafted nodes per row, depth
             else:
                 if self.tree is None:
                     k, drafts, draft_probs = self._propose(B, params, width, hist, L, root, active, generator, V, self._k_now)
@@ -652,7 +721,8 @@ class SpecGraphModel:
                 depth = k
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
             self.stats.rounds += 1
-            self._k_now = self._next_k(k, [n_h[b] for b in range(n_rows) if not done[b]])
+            if not isinstance(k, list):
+                self._k_now = self._next_k(k, [n_h[b] for b in range(n_rows) if not done[b]])
             for b in range(n_rows):
                 if done[b]:
                     continue
@@ -661,7 +731,9 @@ class SpecGraphModel:
                 if stop is not None:
                     keep = keep[: stop + 1]
                 new[b].extend(keep)
-                self.stats.record_row(k, n_h[b], len(keep), depth)
+                self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
+                if self._sessions is not None:
+                    self._sessions[b].extend(keep)
                 if stop is not None or len(new[b]) >= max_new_tokens:
                     done[b] = True
                 if streamer is not None and keep:
@@ -682,14 +754,14 @@ class SpecGraphModel:
         return new
 
     def _run_tree_round(self, B, params, width, tree, root, L, active, generator, V, kv):
-        tree_tokens, parents = tree
-        spec, device = self.tree, root.device
-        N, C = spec.num_nodes, spec.children.shape[1]
+        tree_tokens, parents, shape, _ = tree
+        device = root.device
+        N, C, _ = shape
         if params.greedy:
             accept_u, expo = torch.zeros(B, N, C, device=device), torch.ones(B, N, 1, device=device)
         else:
             accept_u, expo = tree_noise(B, N, C, V, device, generator)
-        tokens, n, path_nodes = self._tree_round_fn(B, params, width)(
+        tokens, n, path_nodes = self._tree_round_fn(B, params, width, shape)(
             root, L, active, accept_u, expo, tree_tokens, parents, *kv)
         if self.draft == "model":  # the draft cache holds the fed tree nodes at their tree slots too
             self._compact_fn(B, "draft")(L, path_nodes, n, active, *self._cache(B, "draft"))

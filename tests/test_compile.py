@@ -161,7 +161,8 @@ def pick_eos_single(new: torch.Tensor) -> int:
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 
 
-@pytest.mark.parametrize("draft", [None, "ngram", "model", "self", "ngram-tree", "model-tree", "self-tree"])
+@pytest.mark.parametrize("draft", [None, "ngram", "model", "self", "ngram-tree", "model-tree", "self-tree",
+                                   "suffix", "suffix-tree"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
     # small attended widths so rounds cross several attend_prefix_pass buckets (32 -> 64 slots)
@@ -170,6 +171,7 @@ def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
     kind, tree = draft, None
     if draft is not None and draft.endswith("-tree"):
         draft, tree = draft.removesuffix("-tree"), TREE
+        tree = "dynamic" if draft == "suffix" else TREE
     if draft == "model":  # another random model of the same family and vocab: mostly rejections
         draft = tiny_model(arch, seed=1)
     elif draft == "self":  # the target drafting for itself: a KV or mask bug shows as rejections
@@ -202,8 +204,8 @@ def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
         assert (ref_eos[:, ids.shape[1]:] == eos).any()
         if len(rows) > 1:
             assert (ref_eos[:, ids.shape[1]:] == PAD).any(), "EOS choice should leave padding in some row"
-    if kind in ("ngram", "ngram-tree"):
-        assert accepted > 0, f"{arch}: no n-gram draft was ever accepted"
+    if kind in ("ngram", "ngram-tree", "suffix", "suffix-tree"):
+        assert accepted > 0, f"{arch}: no model-free draft was ever accepted"
     widths = {key[-1] for key in fast._steps if key[-1] < fast.slots}
     assert len(widths) >= 2, f"expected rounds on several attended widths, got {widths}"
 
@@ -562,7 +564,7 @@ def test_ngram_depth_ladder_goes_up_on_long_copies():
 
 
 @pytest.mark.parametrize("tree, match", [
-    ("dynamic", "EAGLE"), ("bushy", "list of paths"), ([(0,), (0,)], "duplicate"), ([(0, 0)], "prefix"),
+    ("dynamic", "draft='suffix'"), ("bushy", "list of paths"), ([(0,), (0,)], "duplicate"), ([(0, 0)], "prefix"),
     ([(0,), (9,)], "rank at most"),
 ])
 def test_rejects_bad_trees(llama, tree, match):
@@ -573,3 +575,54 @@ def test_rejects_bad_trees(llama, tree, match):
 def test_rejects_tree_without_draft(llama):
     with pytest.raises(ValueError, match="needs a draft"):
         specgraph.compile(llama, None, tree=[(0,)], backend="eager")
+
+
+# ----------------------------------------------------------------------------------------------
+# suffix decoding: the global index of earlier outputs, and concurrent calls
+
+
+@pytest.mark.parametrize("tree", [None, "dynamic"])
+def test_suffix_repeated_request_is_drafted_from_the_global_index(tree):
+    model = tiny_model("llama")
+    ids, mask = left_pad([PROMPTS_4[2]])
+    ref = hf_generate(model, ids, mask, max_new_tokens=24)
+    fast = specgraph.compile(model, "suffix", num_speculative_tokens=8, tree=tree, backend="eager",
+                             max_batch_size=2, max_seq_len=96)
+    first = sg_generate(fast, ids, mask, max_new_tokens=24)
+    rounds_first = fast.stats.rounds
+    second = sg_generate(fast, ids, mask, max_new_tokens=24)
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+    assert fast.suffix_index.global_tokens == 2 * ref.shape[1]
+    # the second answer is a copy of the first one: nearly every draft is right
+    assert fast.stats.rounds <= 6 < rounds_first, (rounds_first, fast.stats)
+
+
+def test_concurrent_generate_calls_on_one_object_are_exact():
+    import threading
+
+    model = tiny_model("llama")
+    fast = specgraph.compile(model, "suffix", tree="dynamic", backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
+    cases = [left_pad(PROMPT_1), left_pad(PROMPTS_4), left_pad([PROMPTS_4[1]])]
+    refs = [hf_generate(model, ids, mask) for ids, mask in cases]
+    outs, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(2):
+                outs[i] = sg_generate(fast, *cases[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, ref in enumerate(refs):
+        assert torch.equal(outs[i], ref), i
+
+
+def test_rejects_suffix_with_static_tree(llama):
+    with pytest.raises(ValueError, match="tree='dynamic'"):
+        specgraph.compile(llama, "suffix", tree=[(0,)], backend="eager")

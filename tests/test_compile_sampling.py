@@ -90,13 +90,14 @@ def gof_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
 
 
 TREE = [(0,), (1,), (0, 0), (1, 0)]  # depth 2: two candidates, each with one child
-KINDS = [None, "ngram", "model", "self", "ngram-tree", "model-tree", "self-tree"]
+KINDS = [None, "ngram", "model", "self", "ngram-tree", "model-tree", "self-tree", "suffix", "suffix-tree"]
 
 
 def compile_fast(target, draft_kind, draft_model):
     tree = None
     if draft_kind is not None and draft_kind.endswith("-tree"):
         draft_kind, tree = draft_kind.removesuffix("-tree"), TREE
+        tree = "dynamic" if draft_kind == "suffix" else TREE
     draft = draft_model if draft_kind == "model" else draft_kind
     return specgraph.compile(target, draft, num_speculative_tokens=2, tree=tree, backend="eager",
                              max_batch_size=BATCH, max_seq_len=32)
@@ -114,7 +115,7 @@ def test_sampled_law_of_three_tokens_matches_target(target, draft, draft_kind, s
     assert p > ALPHA, f"draft={draft_kind} {settings}: chi-square p = {p:.2e}"
     # both verification branches (accept, residual resample) were exercised; the random draft
     # model's top-2 children almost never hold the target's likely tokens, the target's own do
-    if draft_kind in ("model", "ngram-tree", "self-tree"):
+    if draft_kind in ("model", "ngram-tree", "self-tree", "suffix", "suffix-tree"):
         assert 0 < fast.stats.accepted < fast.stats.drafted
     if draft_kind == "self":  # the draft is the target: every sampled draft must be accepted
         assert fast.stats.accepted == fast.stats.drafted

@@ -1,0 +1,310 @@
+"""ONNX export of the compiled speculative step and generation with onnxruntime.
+
+Tiny random models (as in test_compile.py): llama (batch 2, n-gram drafts, greedy and sampling
+graphs, weights in a shared external file), qwen2 (batch 1, n-gram drafts, greedy graphs) and gpt2
+(plain decoding, ``draft=None``). Greedy output must equal ``model.generate`` token for token;
+given the same random inputs a graph must accept exactly the tokens that
+``verify_chain_with_noise`` accepts on the same logits; the graph's logits must match the torch
+step within 1e-4.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxscript")
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+import specgraph  # noqa: E402
+from specgraph.capture import capture_step  # noqa: E402
+from specgraph.onnx import OnnxSpecGenerator, load_manifest  # noqa: E402
+from specgraph.onnx_export import PrefillChunk, VerifyRound, export_onnx  # noqa: E402
+from specgraph.passes import run_step_pipeline  # noqa: E402
+from specgraph.verify import verify_chain_with_noise  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
+
+PAD = 127
+MAX_NEW = 20
+TINY = dict(
+    llama=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256),
+    qwen2=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256),
+    gpt2=dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=256, bos_token_id=0, eos_token_id=0),
+)
+
+
+def tiny_model(arch, seed=0):
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(arch, **TINY[arch])
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # as in test_compile: EOS only when a test passes one
+    return model
+
+
+def repeated(pattern, length):
+    return (pattern * (length // len(pattern) + 1))[:length]
+
+
+def left_pad(rows):
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), PAD, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, T - len(r):] = torch.tensor(r)
+        mask[b, T - len(r):] = 1
+    return ids, mask
+
+
+# 37 tokens (two prefill chunks of 16 + a partial one) and 5 tokens, both periodic: drafts get accepted
+ROWS_2 = [repeated([17, 64, 3, 88, 25], 37), repeated([50, 9], 5)]
+ROW_1 = [repeated([11, 42, 7, 93], 13)]
+ROW_LADDER = [repeated([50, 9], 30)]  # on the tiny qwen2, a copy long enough to climb the depth ladder to 6
+
+
+class Exported:
+    def __init__(self, arch, draft, k, batch, chunk, modes, external, tmp):
+        self.model = tiny_model(arch)
+        self.fast = specgraph.compile(self.model, draft, num_speculative_tokens=k, backend="eager",
+                                      max_batch_size=batch, max_seq_len=96)
+        self.dir = tmp / arch
+        self.manifest = export_onnx(self.fast, self.dir, batch_size=batch, progress=False, modes=modes,
+                                    prefill_chunk=chunk, external_data=external)
+
+    def generator(self, **kw):
+        return OnnxSpecGenerator(self.dir, num_threads=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return Exported("llama", "ngram", 4, 2, 16, ("greedy", "sample"), True, tmp_path_factory.mktemp("onnx"))
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    # K = 6: prompt lookup climbs the compiler's depth ladder 4 -> 6 (graphs verify_k0, _k4, _k6)
+    return Exported("qwen2", "ngram", 6, 1, 8, ("greedy",), None, tmp_path_factory.mktemp("onnx"))
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return Exported("gpt2", None, 4, 1, 8, ("greedy",), None, tmp_path_factory.mktemp("onnx"))
+
+
+# ----------------------------------------------------------------------------------------------
+# the files
+
+
+def test_manifest_checker_and_external_weights(llama):
+    man = load_manifest(llama.dir)
+    assert man["opset"] == 18 and man["depths"] == [0, 4] and man["batch_size"] == 2
+    assert man["slots"] == 97 and man["model"]["vocab_size"] == 128 and man["kv"]["dtype"] == "float32"
+    names = {g["name"] for g in man["graphs"]}
+    assert names == {"verify_k0", "verify_k4", "verify_k0_sample", "verify_k4_sample", "prefill_c16"}
+    assert set(man["files"]) == {g["file"] for g in man["graphs"]} | {"weights.bin"}
+    for g in man["graphs"]:
+        path = llama.dir / g["file"]
+        onnx.checker.check_model(str(path), full_check=True)
+        m = onnx.load(str(path), load_external_data=False)
+        assert [i.name for i in m.graph.input] == [i["name"] for i in g["inputs"]]
+        assert [o.name for o in m.graph.output] == [o["name"] for o in g["outputs"]]
+        assert {o.domain: o.version for o in m.opset_import}[""] == 18
+        ext = {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
+        assert ext == {"weights.bin"}
+    k4 = next(g for g in man["graphs"] if g["name"] == "verify_k4_sample")
+    assert [i["name"] for i in k4["inputs"][:7]] == ["root", "L", "active", "drafts", "accept_u", "expo", "temperature"]
+    assert k4["inputs"][5]["shape"] == [2, 5, 128]
+    assert [o["name"] for o in k4["outputs"][:4]] == ["tokens", "num_emitted", "logits", "present_key_0"]
+    # five graphs, one copy of the weights (stored by content)
+    params = sum(p.numel() * 4 for p in llama.model.parameters())
+    assert man["files"]["weights.bin"]["bytes"] < 1.5 * params
+
+
+def test_tampered_or_truncated_file_is_refused(llama, qwen2, tmp_path):
+    d = tmp_path / "q"
+    shutil.copytree(qwen2.dir, d)
+    OnnxSpecGenerator(d)  # intact copy loads
+    p = d / "verify_k4.onnx"
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="verify_k4.onnx: sha256 does not match"):
+        OnnxSpecGenerator(d)
+    d2 = tmp_path / "l"
+    shutil.copytree(llama.dir, d2)
+    w = d2 / "weights.bin"
+    w.write_bytes(w.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="weights.bin: .* bytes.*truncated"):
+        OnnxSpecGenerator(d2)
+    w.unlink()
+    with pytest.raises(ValueError, match="weights.bin: listed in the manifest but missing"):
+        OnnxSpecGenerator(d2)
+    man = json.loads((d / "manifest.json").read_text())
+    del man["files"]["prefill_c8.onnx"]
+    (d / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ValueError, match="prefill_c8.onnx has no sha256"):
+        OnnxSpecGenerator(d)
+
+
+# ----------------------------------------------------------------------------------------------
+# one graph against the torch step
+
+
+@torch.no_grad()
+def test_graph_logits_cache_and_verification_match_torch(llama):
+    """Random cache state, two rows at different lengths: ORT logits and caches vs the same round in
+    torch within 1e-4; ORT's emitted tokens equal verify_chain_with_noise on ORT's logits given
+    the same noise (greedy and sampled, with accept-u scaled so accepts happen at every depth)."""
+    man, fast, B, k, S, V = llama.manifest, llama.fast, 2, 4, 97, 128
+    g = llama.generator()
+    step = run_step_pipeline(capture_step(llama.model, B, k + 1, S))[0]
+    gen = torch.Generator().manual_seed(0)
+    shape = man["kv"]["shape"]
+    kv = [torch.randn(shape, generator=gen) for _ in man["kv"]["past"]]
+    root, L = torch.tensor([5, 77]), torch.tensor([30, 61])
+    active = torch.tensor([True, True])
+    drafts = torch.randint(0, V, (B, k), generator=gen)
+    base = dict(root=root, L=L, active=active, drafts=drafts, **dict(zip(man["kv"]["past"], kv)))
+
+    torch_greedy = VerifyRound(step, k, S, fast.window, sample=False)
+    ref = torch_greedy(root, L, active, drafts, *[t.clone() for t in kv])
+    out = g.run("verify_k4", base)
+    logits = torch.from_numpy(out["logits"])
+    assert (logits - ref[2]).abs().max() < 1e-4
+    for name, want in zip(man["kv"]["present"], ref[3:]):
+        assert (torch.from_numpy(out[name]) - want).abs().max() < 1e-4
+    tok, n = verify_chain_with_noise(logits, None, drafts, None, 0.0)
+    assert torch.equal(torch.from_numpy(out["tokens"]), tok) and torch.equal(torch.from_numpy(out["num_emitted"]), n)
+    assert torch.equal(tok, ref[0])
+
+    torch_sample = VerifyRound(step, k, S, fast.window, sample=True)
+    seen = set()
+    for trial in range(12):
+        scale = [1.0, 0.05, 0.01, 0.002][trial % 4]
+        accept_u = torch.rand(B, k, generator=gen) * scale
+        expo = -torch.log(torch.rand(B, k + 1, V, generator=gen).clamp_min(1e-38))
+        temp = torch.full((B,), [1.0, 0.7, 1.3][trial % 3])
+        d = torch.randint(0, V, (B, k), generator=gen)
+        out = g.run("verify_k4_sample", {**base, "drafts": d, "accept_u": accept_u, "expo": expo, "temperature": temp})
+        logits = torch.from_numpy(out["logits"])
+        tok, n = verify_chain_with_noise(logits, None, d, (accept_u, expo), float(temp[0]))
+        assert torch.equal(torch.from_numpy(out["tokens"]), tok), trial
+        assert torch.equal(torch.from_numpy(out["num_emitted"]), n), trial
+        ref = torch_sample(root, L, active, d, accept_u, expo, temp, *[t.clone() for t in kv])
+        assert (logits - ref[2]).abs().max() < 1e-4
+        assert torch.equal(tok, ref[0])
+        seen.update(n.tolist())
+    assert len(seen) >= 3, seen  # rejections at several depths were exercised
+
+    # depth 0 (plain step) and the prefill chunk
+    out = g.run("verify_k0_sample", {"root": root, "L": L, "active": active, **dict(zip(man["kv"]["past"], kv)),
+                                     "expo": expo[:, :1], "temperature": torch.ones(B)})
+    tok, n = verify_chain_with_noise(torch.from_numpy(out["logits"]), None, drafts[:, :0], (accept_u[:, :0], expo[:, :1]), 1.0)
+    assert torch.equal(torch.from_numpy(out["tokens"]), tok) and n.tolist() == [1, 1]
+    C = man["prefill_chunk"]
+    pre = PrefillChunk(run_step_pipeline(capture_step(llama.model, B, C, S))[0], C, S, fast.window)
+    ids, start, nv = torch.randint(0, V, (B, C), generator=gen), torch.tensor([16, 0]), torch.tensor([16, 3])
+    ref = pre(ids, start, nv, *[t.clone() for t in kv])
+    out = g.run(f"prefill_c{C}", {"input_ids": ids, "start": start, "num_valid": nv, **dict(zip(man["kv"]["past"], kv))})
+    for name, want in zip(man["kv"]["present"], ref):
+        assert (torch.from_numpy(out[name]) - want).abs().max() < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# generation
+
+
+@torch.no_grad()
+def test_greedy_batch_equals_hf_generate_and_torch_path_llama(llama):
+    ids, mask = left_pad(ROWS_2)
+    ref = llama.model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=PAD)
+    g = llama.generator()
+    out = g.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    assert torch.equal(out, ref), (out[:, ids.shape[1]:], ref[:, ids.shape[1]:])
+    assert g.stats.accepted > 0  # drafts were accepted, so verify_k4 emitted several tokens
+    fast = llama.fast.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    assert torch.equal(out, fast)
+    assert g.stats.rounds == llama.fast.stats.rounds  # same depth chosen every round
+    # a single row on a batch-2 export (padded with an inactive row), and EOS stops + pads
+    one = g.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    assert torch.equal(one, ref[:1])
+    eos = int(ref[1, ids.shape[1] + 3])
+    ref_eos = llama.model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
+                                   pad_token_id=PAD, eos_token_id=eos)
+    out_eos = g.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=PAD, eos_token_id=eos)
+    assert torch.equal(out_eos, ref_eos)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("which", ["qwen2", "gpt2"])
+def test_greedy_equals_hf_generate(which, request):
+    ex = request.getfixturevalue(which)
+    ids = torch.tensor(ROW_LADDER)
+    ref = ex.model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=PAD)
+    g = ex.generator()
+    out = g.generate(ids, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    assert torch.equal(out, ref), (out[:, ids.shape[1]:], ref[:, ids.shape[1]:])
+    if ex.manifest["draft"] == "ngram":
+        assert ex.manifest["depths"] == [0, 4, 6] and ex.manifest["k_ladder"] == [4, 6]
+        assert g.stats.accepted > 0 and len(g.stats.accepted_at) == 6  # the depth-6 graph ran
+    else:
+        assert ex.manifest["depths"] == [0] and g.stats.rounds == MAX_NEW and g.stats.drafted == 0
+    fast = ex.fast.generate(ids, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    assert torch.equal(out, fast)
+    assert (g.stats.rounds, g.stats.drafted, g.stats.accepted) == (ex.fast.stats.rounds, ex.fast.stats.drafted,
+                                                                   ex.fast.stats.accepted)  # same depth every round
+
+
+@torch.no_grad()
+def test_sampled_generation_reproducible_and_equal_to_torch_path(llama):
+    ids, mask = left_pad(ROWS_2)
+    g = llama.generator()
+    kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, temperature=0.8, pad_token_id=PAD)
+    a = g.generate(ids, generator=torch.Generator().manual_seed(7), **kw)
+    b = g.generate(ids, generator=torch.Generator().manual_seed(7), **kw)
+    c = g.generate(ids, generator=torch.Generator().manual_seed(8), **kw)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # the compiled torch path draws the same noise in the same order: same tokens
+    t = llama.fast.generate(ids, generator=torch.Generator().manual_seed(7), **kw)
+    assert torch.equal(a, t)
+    # explicit uniforms: a callable handing out the same draws reproduces the generator's output
+    src = torch.Generator().manual_seed(7)
+    d = g.generate(ids, uniforms=lambda B, k, V: specgraph.verify.chain_noise(B, k, V, "cpu", src), **kw)
+    assert torch.equal(a, d)
+
+
+def test_refusals(llama, qwen2):
+    ids = torch.tensor(ROW_1)
+    g = llama.generator(check_files=False)
+    with pytest.raises(ValueError, match="exported with top_k=None"):
+        g.generate(ids, do_sample=True, top_k=5)
+    g.generate(ids, max_new_tokens=2, do_sample=True, top_k=1000, top_p=1.0)  # no-op filters are the baked ones
+    with pytest.raises(ValueError, match="exceeds the exported batch size 2"):
+        g.generate(torch.ones(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="exceeds the exported max_seq_len"):
+        g.generate(ids, max_new_tokens=90)
+    with pytest.raises(ValueError, match="no sample graphs"):
+        qwen2.generator().generate(ids, do_sample=True)
+    with pytest.raises(NotImplementedError, match="draft=.model."):
+        export_onnx(specgraph.compile(llama.model, tiny_model("llama", seed=1), backend="eager"), "unused")
+    with pytest.raises(NotImplementedError, match="tree speculation"):
+        export_onnx(specgraph.compile(llama.model, "ngram", tree=[(0,), (1,), (0, 0)], backend="eager"), "unused")
+
+
+@torch.no_grad()
+def test_broken_prefill_breaks_greedy_equality(llama, monkeypatch):
+    """Negative control: the equality test has power (a cache missing all but the first prefill
+    chunk changes the output)."""
+    ids, mask = left_pad(ROWS_2)
+    ref = llama.model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=PAD)
+    orig = OnnxSpecGenerator._prefill
+    monkeypatch.setattr(OnnxSpecGenerator, "_prefill", lambda self, rows, kv: orig(self, [r[:17] for r in rows], kv))
+    out = llama.generator().generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    assert not torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
