@@ -478,7 +478,7 @@ class SpecGraphModel:
             if bool((matched * active).any()):  # host sync: which graph runs depends on it
                 return k, drafts, None
         if self.draft == "suffix":  # the best path of the suffix tree as a chain
-            chains = [s.propose(k, 1, k).best_chain(k) for s in self._sessions]
+            chains = [s.propose(k, 1, depth_limit=k).best_chain(k) for s in self._sessions]
             if any(c for c, a in zip(chains, active.tolist()) if a):
                 drafts = root.unsqueeze(1).repeat(1, k).cpu()  # padding: repeats of the root, just rejected
                 for b, c in enumerate(chains):
@@ -521,7 +521,7 @@ class SpecGraphModel:
         into the smallest compiled shape that holds the largest. Padding nodes hang under the root
         and repeat its first child's token: a repeated sibling is never accepted (greedy takes the
         first, recursive rejection zeroed that token), so padding costs compute, never exactness."""
-        props = [s.propose(max(SUFFIX_TREE_SIZES), SUFFIX_CHILDREN, self.k) if s is not None else None
+        props = [s.propose(max(SUFFIX_TREE_SIZES), SUFFIX_CHILDREN, depth_limit=self.k) if s is not None else None
                  for s in self._sessions + [None] * (B - len(self._sessions))]
         drafted = [0 if p is None else len(p.tokens) - 1 for p in props]
         if not any(d > 0 for d, a in zip(drafted, active.tolist()) if a):

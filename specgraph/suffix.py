@@ -531,7 +531,8 @@ class SuffixSession:
         """Test helper: assert the local trie's invariants."""
         self._trie.verify()
 
-    def propose(self, max_nodes: int, max_children: int = 4, max_spec_depth: int | None = None) -> SuffixProposal:
+    def propose(self, max_nodes: int, max_children: int = 4, max_spec_depth: int | None = None,
+                depth_limit: int | None = None) -> SuffixProposal:
         """Draft a tree after the longest context suffix that has a continuation somewhere.
 
         match_len = largest m <= max_match such that the last m context tokens occur followed
@@ -539,14 +540,17 @@ class SuffixSession:
         grown greedily: pop the highest-count frontier node (a heap; ties: pushed first), add it,
         push its best ``max_children`` children; stop at ``max_nodes`` drafted nodes or when the
         depth cap (``max_spec_depth``, default ``default_spec_depth(match_len, max_depth)``) or the
-        trie depth is reached.
+        trie depth is reached. ``depth_limit`` caps the default rule without replacing it (the
+        compiled step's largest depth): depth = min(rule, depth_limit).
         """
         _check_int(max_nodes, "max_nodes", 0)
+        if depth_limit is not None:
+            _check_int(depth_limit, "depth_limit", 0)
         _check_int(max_children, "max_children", 1)
         if max_spec_depth is not None:
             _check_int(max_spec_depth, "max_spec_depth", 0)
         with self._index._lock:
-            return self._propose(max_nodes, max_children, max_spec_depth)
+            return self._propose(max_nodes, max_children, max_spec_depth, depth_limit)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -599,10 +603,13 @@ class SuffixSession:
         merged.sort(key=lambda x: (-x[1], x[0]))
         return merged
 
-    def _propose(self, max_nodes: int, max_children: int, max_spec_depth: int | None) -> SuffixProposal:
+    def _propose(self, max_nodes: int, max_children: int, max_spec_depth: int | None,
+                 depth_limit: int | None = None) -> SuffixProposal:
         D = self._index.max_depth
         m = self._match_len()
         cap = default_spec_depth(m, D) if max_spec_depth is None else min(max_spec_depth, D - m)
+        if depth_limit is not None:
+            cap = min(cap, depth_limit)
         if m == 0:
             return SuffixProposal([-1], [-1], [1.0], [0], 0, 0)
         lpos, gpos = self._positions(m)

@@ -176,6 +176,19 @@ def test_proposal_matches_brute_force(sc):
     sess.verify()
 
 
+@HYP
+@given(scenario(), st.integers(0, 6))
+def test_depth_limit_caps_the_default_rule(sc, limit):
+    """depth_limit keeps the match-length rule and only lowers it: the tree equals the one drafted
+    with max_spec_depth = min(rule(match_len), limit)."""
+    ix, sess = build(sc["ctx"], sc["docs"], sc["max_depth"], max_match=sc["max_match"])
+    prop = sess.propose(sc["max_nodes"], sc["max_children"], depth_limit=limit)
+    m = brute_match_len(sc["ctx"], sc["docs"], sc["max_depth"], sc["max_match"])
+    want = min(default_spec_depth(m, sc["max_depth"]), limit)
+    ref = reference(sc["ctx"], sc["docs"], sc["max_depth"], sc["max_nodes"], sc["max_children"], want, sc["max_match"])
+    assert (prop.tokens, prop.parents, prop.counts, prop.match_len) == ref
+
+
 @settings(derandomize=True, max_examples=150, deadline=None, database=None)
 @given(tok_lists(0, 60), st.lists(st.integers(0, 12), max_size=6), st.lists(tok_lists(0, 30), max_size=3),
        st.integers(2, 9))
