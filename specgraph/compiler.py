@@ -281,6 +281,11 @@ class SpecGraphModel:
         # "freezing", and a recompile must see the same settings as the first compile.
         config = {"freezing": self.freeze}
         device = next(self.model.parameters()).device
+        # Dynamo caches compiled graphs on the *code object*, and every round function of every
+        # compiled object shares one (a closure per shape): past torch._dynamo's recompile_limit
+        # (8) shapes in a process, fullgraph compilation fails. A fresh code object per compiled
+        # function gives each its own cache with one entry (and one guard check per call).
+        fn.__code__ = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{len(self._fns)}")
         if device.type == "cpu":
             config["cpp.threads"] = 1
         if device.type != "cuda":
