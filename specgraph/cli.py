@@ -582,6 +582,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export-onnx", help="compile MODEL to ONNX graphs in DIR (= compile --format onnx)")
     _add_compile_flags(e, onnx_only=True)
     e.set_defaults(func=cmd_export_onnx, tree=None)
+
+    from specgraph import train as _train  # light: heavy imports happen inside the command
+
+    t = sub.add_parser("train-drafter", help="train an EAGLE or Medusa drafter head by self-distillation "
+                                             "(Python stdlib + pydoc topics), resumable")
+    _train.add_arguments(t)
+    t.set_defaults(func=_train.cmd)
     return p
 
 

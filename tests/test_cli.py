@@ -45,3 +45,15 @@ def test_generate_flags_for_compiled_dirs_parse_and_old_flags_still_work():
     assert a.compare is False and a.draft == "none" and a.backend == "eager"
     a = p.parse_args(["compile", "default", "--out", "d", "--depths", "2,4,8", "--format", "pt2,onnx"])
     assert a.depths == [2, 4, 8] and a.format == ["pt2", "onnx"] and a.modes == ["greedy", "sample"]
+
+
+def test_train_drafter_is_a_cli_command():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "specgraph.cli", "train-drafter", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--kind" in out.stdout and "--resume" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "specgraph.cli", "train-drafter", "--kind", "bogus", "--out", "x"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0
