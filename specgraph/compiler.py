@@ -146,6 +146,51 @@ def next_k(ladder: list[int], k_now: int, k: int, n_live: list[int]) -> int:
     return k
 
 
+def eos_and_pad(eos_token_id, pad_token_id, default_eos, default_pad) -> tuple[list[int], int]:
+    """HF's defaults: EOS ids from the argument or the generation config; pad from the argument,
+    the config, else the first EOS id, else 0."""
+    eos_token_id = eos_token_id if eos_token_id is not None else default_eos
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    pad = pad_token_id if pad_token_id is not None else default_pad
+    return eos, (pad if pad is not None else (eos[0] if eos else 0))
+
+
+def prompt_rows(input_ids, attention_mask, max_new_tokens, vocab) -> list[list[int]]:
+    """The unpadded prompt of each row (left padding via ``attention_mask``), checked."""
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be a [B, T] integer tensor, got {tuple(input_ids.shape)} {input_ids.dtype}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    rows = [input_ids[b].cpu()[mask[b].cpu().bool()].tolist() for b in range(input_ids.shape[0])]
+    for b, r in enumerate(rows):
+        if not r:
+            raise ValueError(f"row {b} of the batch has no tokens (attention_mask is all zeros)")
+        if vocab is not None and (min(r) < 0 or max(r) >= vocab):
+            raise ValueError(f"row {b} has token ids outside the model's vocabulary [0, {vocab})")
+    return rows
+
+
+def keep_until_eos(tokens: list[int], budget: int, eos) -> tuple[list[int], bool]:
+    """A row's share of a round: its emitted tokens cut to the remaining budget and after the first
+    EOS (kept). Returns (kept tokens, whether an EOS stopped the row)."""
+    keep = tokens[:budget]
+    stop = next((i for i, t in enumerate(keep) if t in eos), None)
+    return (keep if stop is None else keep[: stop + 1]), stop is not None
+
+
+def assemble_output(input_ids, new: list[list[int]], pad_token_id) -> torch.Tensor:
+    """prompt + new tokens [B, T + n], rows padded with ``pad_token_id`` (HF's return convention)."""
+    width = max(len(n) for n in new)
+    out = torch.full((input_ids.shape[0], width), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    for b, n in enumerate(new):
+        if n:
+            out[b, : len(n)] = torch.tensor(n, dtype=input_ids.dtype)
+    return torch.cat([input_ids, out], dim=1)
+
+
 def attend_width(need: int, slots: int) -> int:
     """Attended cache prefix for a round: the smallest power of two >= need (at least MIN_ATTEND),
     or all slots. Each width is one compiled graph, so widths are few."""
@@ -595,11 +640,7 @@ class SpecGraphModel:
             top_k = getattr(gc, "top_k", top_k)
             top_p = getattr(gc, "top_p", top_p)
             min_p = getattr(gc, "min_p", min_p)
-        eos_token_id = eos_token_id if eos_token_id is not None else gc.eos_token_id
-        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-        pad_token_id = pad_token_id if pad_token_id is not None else gc.pad_token_id
-        if pad_token_id is None:
-            pad_token_id = eos[0] if eos else 0
+        eos, pad_token_id = eos_and_pad(eos_token_id, pad_token_id, gc.eos_token_id, gc.pad_token_id)
         params = SamplingParams(temperature if do_sample else 0.0, top_k if do_sample else None,
                                 top_p if do_sample else None, min_p if do_sample else None)
         if do_sample and temperature == 0:
@@ -621,26 +662,15 @@ class SpecGraphModel:
                     self.suffix_index.add_document(r + n)
             else:
                 new = self._generate_compiled(rows, max_new_tokens, params, eos, generator, streamer)
-        return self._assemble(input_ids, new, pad_token_id)
+        return assemble_output(input_ids, new, pad_token_id)
 
     def _rows(self, input_ids, attention_mask, max_new_tokens) -> list[list[int]]:
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be a [B, T] integer tensor, got {tuple(input_ids.shape)} {input_ids.dtype}")
-        B, T = input_ids.shape
-        if B > self.max_batch_size:
-            raise ValueError(f"batch size {B} exceeds max_batch_size={self.max_batch_size}; pass a larger max_batch_size to specgraph.compile")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if input_ids.dim() == 2 and input_ids.shape[0] > self.max_batch_size:
+            raise ValueError(f"batch size {input_ids.shape[0]} exceeds max_batch_size={self.max_batch_size}; "
+                             "pass a larger max_batch_size to specgraph.compile")
         vocab = self.model.get_output_embeddings().weight.shape[0] if self.model.get_output_embeddings() is not None else None
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        if mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        rows = [input_ids[b][mask[b].bool()].tolist() for b in range(B)]
-        for b, r in enumerate(rows):
-            if not r:
-                raise ValueError(f"row {b} of the batch has no tokens (attention_mask is all zeros)")
-            if vocab is not None and (min(r) < 0 or max(r) >= vocab):
-                raise ValueError(f"row {b} has token ids outside the model's vocabulary [0, {vocab})")
+        rows = prompt_rows(input_ids, attention_mask, max_new_tokens, vocab)
+        for r in rows:
             need = len(r) + max_new_tokens + self.span
             if need > self.max_seq_len:
                 raise ValueError(
@@ -648,14 +678,6 @@ class SpecGraphModel:
                     f"= {need} exceeds max_seq_len={self.max_seq_len}; pass a larger max_seq_len to specgraph.compile"
                 )
         return rows
-
-    def _assemble(self, input_ids, new: list[list[int]], pad_token_id) -> torch.Tensor:
-        width = max(len(n) for n in new)
-        out = torch.full((input_ids.shape[0], width), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
-        for b, n in enumerate(new):
-            if n:
-                out[b, : len(n)] = torch.tensor(n, dtype=input_ids.dtype)
-        return torch.cat([input_ids, out], dim=1)
 
     def _generate_eager(self, rows, max_new_tokens, params, eos, generator, streamer):
         from specgraph.eager import eager_generate_ngram
@@ -731,15 +753,12 @@ class SpecGraphModel:
             for b in range(n_rows):
                 if done[b]:
                     continue
-                keep = tokens_h[b][: n_h[b]][: max_new_tokens - len(new[b])]
-                stop = next((i for i, t in enumerate(keep) if t in eos), None)
-                if stop is not None:
-                    keep = keep[: stop + 1]
+                keep, stopped = keep_until_eos(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos)
                 new[b].extend(keep)
                 self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
                 if self._sessions is not None:
                     self._sessions[b].extend(keep)
-                if stop is not None or len(new[b]) >= max_new_tokens:
+                if stopped or len(new[b]) >= max_new_tokens:
                     done[b] = True
                 if streamer is not None and keep:
                     streamer.put(torch.tensor(keep))

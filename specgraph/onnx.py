@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specgraph.compiler import next_k
+from specgraph.compiler import assemble_output, eos_and_pad, keep_until_eos, next_k, prompt_rows
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats
 from specgraph.onnx_export import FORMAT, FORMAT_VERSION, MANIFEST, _norm_filter, export_onnx  # noqa: F401 (re-export)
@@ -200,11 +200,7 @@ class OnnxSpecGenerator:
         """
         man = self.manifest
         gen = man["generation"]
-        eos_token_id = eos_token_id if eos_token_id is not None else gen.get("eos_token_id")
-        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-        pad_token_id = pad_token_id if pad_token_id is not None else gen.get("pad_token_id")
-        if pad_token_id is None:
-            pad_token_id = eos[0] if eos else 0
+        eos, pad_token_id = eos_and_pad(eos_token_id, pad_token_id, gen.get("eos_token_id"), gen.get("pad_token_id"))
         if do_sample and temperature == 0:
             raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy)")
         if do_sample:
@@ -222,32 +218,15 @@ class OnnxSpecGenerator:
         rows = self._rows(input_ids, attention_mask, max_new_tokens)
         self.stats = GenerationStats()
         new = self._loop(rows, max_new_tokens, mode, float(temperature), eos, generator, uniforms)
-        width = max(len(n) for n in new)
-        out = torch.full((input_ids.shape[0], width), pad_token_id, dtype=input_ids.dtype)
-        for b, n in enumerate(new):
-            if n:
-                out[b, : len(n)] = torch.tensor(n, dtype=input_ids.dtype)
-        return torch.cat([input_ids.cpu(), out], dim=1).to(input_ids.device)
+        return assemble_output(input_ids, new, pad_token_id)
 
     def _rows(self, input_ids, attention_mask, max_new_tokens) -> list[list[int]]:
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be a [B, T] integer tensor, got {tuple(input_ids.shape)} {input_ids.dtype}")
-        B = input_ids.shape[0]
-        if B > self.batch_size:
-            raise ValueError(f"batch size {B} exceeds the exported batch size {self.batch_size}; "
+        if input_ids.dim() == 2 and input_ids.shape[0] > self.batch_size:
+            raise ValueError(f"batch size {input_ids.shape[0]} exceeds the exported batch size {self.batch_size}; "
                              "re-export with export_onnx(..., batch_size=)")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        if mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        rows = [input_ids[b].cpu()[mask[b].cpu().bool()].tolist() for b in range(B)]
+        rows = prompt_rows(input_ids, attention_mask, max_new_tokens, self.vocab)
         K, max_seq = max(self.depths), self.manifest["max_seq_len"]
-        for b, r in enumerate(rows):
-            if not r:
-                raise ValueError(f"row {b} of the batch has no tokens (attention_mask is all zeros)")
-            if min(r) < 0 or max(r) >= self.vocab:
-                raise ValueError(f"row {b} has token ids outside the model's vocabulary [0, {self.vocab})")
+        for r in rows:
             need = len(r) + max_new_tokens + K + 1
             if need > max_seq:
                 raise ValueError(f"prompt length {len(r)} + max_new_tokens {max_new_tokens} + {K + 1} speculative slots "
@@ -322,13 +301,10 @@ class OnnxSpecGenerator:
             for b in range(n_rows):
                 if done[b]:
                     continue
-                keep = tokens_h[b][: n_h[b]][: max_new_tokens - len(new[b])]
-                stop = next((i for i, t in enumerate(keep) if t in eos), None)
-                if stop is not None:
-                    keep = keep[: stop + 1]
+                keep, stopped = keep_until_eos(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos)
                 new[b].extend(keep)
                 self.stats.record_row(k, n_h[b], len(keep))
-                if stop is not None or len(new[b]) >= max_new_tokens:
+                if stopped or len(new[b]) >= max_new_tokens:
                     done[b] = True
             adv = torch.tensor([0 if done[b] else n_h[b] for b in range(B)])
             pos = L.unsqueeze(1) + 1 + torch.arange(k + 1)  # history holds L + 1 tokens
