@@ -19,7 +19,6 @@ modified or truncated file is refused with its name.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from specgraph.compiler import assemble_output, eos_and_pad, keep_until_eos, next_k, prompt_rows
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats
-from specgraph.onnx_export import FORMAT, FORMAT_VERSION, MANIFEST, _norm_filter, export_onnx  # noqa: F401 (re-export)
+from specgraph.onnx_export import FORMAT, FORMAT_VERSION, MANIFEST, _norm_filter, _sha256, export_onnx  # noqa: F401 (re-export)
 from specgraph.verify import chain_noise
 from specgraph.warping import check_sampling_params
 
@@ -39,12 +38,6 @@ __all__ = ["OnnxSpecGenerator", "export_onnx", "load_manifest"]
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "bool": np.bool_}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_manifest(out_dir, check_files: bool = True) -> dict:
