@@ -16,15 +16,15 @@ depth ladder, host sync per round), with every compiled graph served by a loaded
 Graphs. One package per shape the compiled object can ask for: per batch bucket a prefill chunk
 (C = 16 prompt tokens per call), and per (batch bucket, attended width) the chain rounds of depth
 0 and every rung of the prompt-lookup ladder (or the tree shapes), greedy and/or sampling. A
-greedy chain or tree package is ``torch.export`` of the compiler's own round function
+chain or tree package is ``torch.export`` of the compiler's own round function
 (``SpecGraphModel._round_fn`` / ``_tree_round_fn`` of a ``backend="eager"`` object: the captured,
 pass-rewritten step, mask, verification and, for trees, KV compaction), lowered by
 ``torch._inductor.aoti_compile_and_package`` with the JIT path's Inductor settings (single-threaded
-elementwise kernels on CPU; GEMMs use torch's threads). A sampling chain package is the same
-round with the temperature an input (logits / temperature, then the warp at temperature 1 with
-top-k / top-p / min-p baked in, as the ONNX exporter does): one package serves every temperature.
-Sampled tree rounds are not packaged. The prefill package is the captured step at query length C
-with the causal-by-position mask the compiler's eager prefill uses.
+elementwise kernels on CPU; GEMMs use torch's threads). Sampling rounds take the temperature as
+an input (logits / temperature, then the warp at temperature 1 with top-k / top-p / min-p baked
+in; the JIT path does the same): one package serves every temperature. The prefill package is
+the captured step at query length C with the causal-by-position mask the compiler's eager prefill
+uses (:func:`specgraph.compiler.prefill_logits`).
 
 KV caches. Rounds write K/V into the cache tensors in place (``index_put_``). AOTInductor keeps
 in-place mutation of user inputs (the tests compare the cache after a packaged round with the
@@ -51,9 +51,9 @@ instruction set the packages were built for; the model must have the manifest's 
 (configuration + embedding weights + dtype). The hashes are an integrity check, not a signature
 (see :mod:`specgraph.artifacts`).
 
-Compiler hooks used (no change to compiler.py): ``fast._fns`` (the compiled-graph cache) is
-replaced by a dict whose lookups load packages, ``fast._eager_step`` (the prefill step) by the
-chunked prefill package, ``fast.k_ladder`` set from the manifest.
+Compiler hooks used: :meth:`SpecGraphModel.use_graphs` (round lookups answered by packages, the
+prompt prefill by the chunked prefill package) and :meth:`SpecGraphModel.set_depths` (the chain
+ladder from the manifest).
 """
 from __future__ import annotations
 
@@ -76,10 +76,9 @@ from specgraph.artifacts import (
 )
 from specgraph.capture import kv_layout, new_kv_cache
 from specgraph.compiler import (
-    NGRAM_START_K, SUFFIX_CHILDREN, SUFFIX_TREE_SIZES, SpecGraphModel, _bucket, _step_mask, attend_width,
+    NGRAM_START_K, SUFFIX_CHILDREN, SUFFIX_TREE_SIZES, SpecGraphModel, _bucket, attend_width, prefill_logits,
 )
 from specgraph.onnx_export import _norm_filter
-from specgraph.verify import verify_chain_with_noise
 from specgraph.warping import SamplingParams, check_sampling_params
 
 FORMAT = "specgraph-aot"
@@ -148,8 +147,7 @@ def _tree_shapes(fast: SpecGraphModel) -> list[tuple[int, int, int]]:
 def plan_graphs(fast: SpecGraphModel, modes=MODES, prefill_chunk: int | None = PREFILL_CHUNK) -> list[GraphSpec]:
     """The graphs ``fast.generate`` can request: per batch bucket a prefill chunk of
     ``prefill_chunk`` tokens (None: none), and per attended width chain depth 0 (plain step) and the
-    prompt-lookup ladder (or the tree shapes), per mode. Sampled trees are left out (see the module
-    docstring)."""
+    prompt-lookup ladder (or the tree shapes), per mode."""
     chain = [0] if fast.draft is None or fast.tree is not None else sorted({0, *fast.k_ladder})
     trees = _tree_shapes(fast)
     out = []
@@ -159,8 +157,7 @@ def plan_graphs(fast: SpecGraphModel, modes=MODES, prefill_chunk: int | None = P
         for w in _widths(fast.slots):
             for mode in modes:
                 out += [GraphSpec("round", B, w, mode, k) for k in chain]
-                if mode == "greedy":
-                    out += [GraphSpec("tree", B, w, mode, t[2], t) for t in trees]
+                out += [GraphSpec("tree", B, w, mode, t[2], t) for t in trees]
     return out
 
 
@@ -181,29 +178,6 @@ class _Graph(torch.nn.Module):
         return self._fn(*args)
 
 
-class _SampledRound(torch.nn.Module):
-    """The chain round of :meth:`SpecGraphModel._round_fn` for sampling, with the temperature an
-    input ([B] float32): logits.float() / temperature, then verification at temperature 1 (the same
-    division ``warp_logits`` does), top-k / top-p / min-p baked in. Inputs: root, L, active,
-    accept_u, expo, drafts, draft_probs (unused: model-free drafts are one-hot), temperature, *kv."""
-
-    def __init__(self, step, k, slots, width, window, top_k, top_p, min_p):
-        super().__init__()
-        self.step = step
-        self.k, self.slots, self.width, self.window = k, slots, width, window
-        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
-
-    def forward(self, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *kv):
-        ids = torch.cat([root.unsqueeze(1), drafts], dim=1)
-        pos = L.unsqueeze(1) + torch.arange(self.k + 1, device=L.device)
-        valid = active.unsqueeze(1).expand_as(pos)
-        slots = torch.where(valid, pos, self.slots - 1)
-        mask = _step_mask(L, pos, valid, self.width, self.window).to(kv[0].dtype)
-        logits, _ = self.step(ids, pos, mask, slots, *kv)
-        scaled = logits.float() / temperature.view(-1, 1, 1)
-        return verify_chain_with_noise(scaled, None, drafts, (accept_u, expo), 1.0, self.top_k, self.top_p, self.min_p)
-
-
 class _PrefillChunk(torch.nn.Module):
     """C prompt tokens per row into the cache: what :meth:`SpecGraphModel._prefill` does with the
     eager model (query at position p sees the slots <= p; padding columns write to the scratch slot),
@@ -215,9 +189,7 @@ class _PrefillChunk(torch.nn.Module):
         self.step, self.slots, self.window = step, slots, window
 
     def forward(self, ids, pos, valid, *kv):
-        start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
-        mask = _step_mask(start, pos, valid, self.slots, self.window).to(kv[0].dtype)
-        self.step(ids, pos, mask, torch.where(valid, pos, self.slots - 1), *kv)
+        prefill_logits(self.step, ids, pos, valid, kv, self.slots, self.window)
         return valid.sum(dim=1)
 
 
@@ -244,21 +216,23 @@ def _example_inputs(fast: SpecGraphModel, g: GraphSpec, vocab: int) -> tuple[lis
         return args, names
     N, C, _ = g.tree
     parents = torch.arange(-1, N - 1, **long).expand(B, N).contiguous()  # a chain: any valid tree traces the same graph
-    args = [root, L, active, torch.zeros(B, N, C, device=dev), torch.ones(B, N, 1, device=dev),
-            torch.zeros(B, N, **long), parents]
-    return args, ["root", "L", "active", "accept_u", "expo", "tree_tokens", "parents"]
+    args = [root, L, active, torch.zeros(B, N, C, device=dev),
+            torch.ones(B, N, vocab if g.mode == "sample" else 1, device=dev), torch.zeros(B, N, **long), parents]
+    names = ["root", "L", "active", "accept_u", "expo", "tree_tokens", "parents"]
+    if g.mode == "sample":
+        args.append(torch.ones(B, device=dev))
+        names.append("temperature")
+    return args, names
 
 
 def _module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
     if g.kind == "prefill":
         return _PrefillChunk(fast._step(g.batch, g.depth, fast.slots), fast.slots, fast.window)
+    params = SamplingParams(0.0) if g.mode == "greedy" else SamplingParams(1.0, *filters)
     if g.kind == "tree":
-        fn = fast._tree_round_fn(g.batch, SamplingParams(0.0), g.width, g.tree)
+        fn = fast._tree_round_fn(g.batch, params, g.width, g.tree)
         return _Graph(fn, fast._step(g.batch, g.tree[0], g.width))
-    step = fast._step(g.batch, g.depth + 1, g.width)
-    if g.mode == "greedy":
-        return _Graph(fast._round_fn(g.batch, SamplingParams(0.0), g.width, g.depth), step)
-    return _SampledRound(step, g.depth, fast.slots, g.width, fast.window, *filters)
+    return _Graph(fast._round_fn(g.batch, params, g.width, g.depth), fast._step(g.batch, g.depth + 1, g.width))
 
 
 def _inductor_configs(device) -> dict:
@@ -433,8 +407,8 @@ def compile_dir(
                              max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     if fast.fallback_reason is not None:
         raise ValueError(f"this model cannot be compiled ahead of time: {fast.fallback_reason}")
-    if depths is not None:
-        fast.k_ladder = [d for d in depths if d > 0]
+    if depths is not None and any(d > 0 for d in depths):
+        fast.set_depths([d for d in depths if d > 0])
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     fingerprint = model_fingerprint(model)
@@ -791,9 +765,6 @@ class LoadedDir:
         if "sample" not in s["modes"]:
             raise ArtifactError(f"{self.path}: no sampling graphs were compiled (modes {s['modes']}); "
                                 "recompile with --modes greedy,sample")
-        if s["tree"] is not None:
-            raise ArtifactError(f"{self.path}: sampled tree rounds are not packaged; use greedy decoding or "
-                                "a chain directory")
         want = _norm_filter(self.manifest["model"]["vocab_size"], top_k, top_p, min_p)
         baked = (s["sampling"]["top_k"], s["sampling"]["top_p"], s["sampling"]["min_p"])
         if want != baked:
@@ -829,14 +800,7 @@ class LoadedDir:
         if want != baked:
             return None, (f"the sampling graphs have top_k={baked[0]}, top_p={baked[1]}, min_p={baked[2]} baked in; "
                           f"asked for top_k={params.top_k}, top_p={params.top_p}, min_p={params.min_p}")
-        pkg = self._package(spec)
-        dev = next(self.model.parameters()).device
-        temp = torch.full((B,), float(params.temperature), dtype=torch.float32, device=dev)
-
-        def sampled(*args):
-            return pkg(*args[:7], temp, *args[7:])
-
-        return sampled, None
+        return self._package(spec), None  # the temperature is the graph's input after the drafts
 
 
 class _JsonConfig:
@@ -909,17 +873,16 @@ class _ChunkedPrefill:
     by the prefill packages, C tokens per call. Padding columns (slot = scratch) stay invalid; the
     packaged chunk rebuilds the same causal-by-position mask, so the given mask is not needed."""
 
-    def __init__(self, loaded: "LoadedDir", slots: int):
-        self.loaded, self.slots = loaded, slots
+    def __init__(self, loaded: "LoadedDir"):
+        self.loaded = loaded
 
-    def __call__(self, ids, pos, mask, slots, *kv):
+    def __call__(self, ids, pos, valid, *kv):
         B, P = ids.shape
         spec = self.loaded._prefill_specs.get(B)
         if spec is None:
             raise ArtifactError(f"{self.loaded.path}: no prefill package for batch bucket {B}")
         pkg = self.loaded._package(spec)
         C = spec["depth"]
-        valid = slots != self.slots - 1
         for c0 in range(0, P, C):
             n = min(C, P - c0)
             ids_c = ids.new_zeros(B, C)
@@ -1020,8 +983,8 @@ def load_dir(
                           backend="inductor", max_batch_size=s["max_batch_size"], max_seq_len=s["max_seq_len"])
     if fast.fallback_reason is not None:
         raise ArtifactError(f"{d}: the model cannot be served by the compiled graphs here: {fast.fallback_reason}")
-    if s["draft"] is not None and s["k_ladder"]:
-        fast.k_ladder = list(s["k_ladder"])
+    if s["draft"] is not None and s["tree"] is None and s["k_ladder"]:
+        fast.set_depths(s["k_ladder"])
     loaded = LoadedDir(path=d, manifest=man, fast=fast, model=model, tokenizer=tok, timings=timings)
     loaded._late_verifier = late_verifier
     loaded._tensors = tensors if tensors is not None else _model_tensors(model)
@@ -1030,9 +993,7 @@ def load_dir(
     loaded._prefill_specs = {g["batch"]: g for g in man["graphs"] if g["kind"] == "prefill"}
     # Hooks into the compiler (see the report in the module docstring): compiled-graph lookups are
     # answered from the packages, and the prompt prefill runs the prefill packages.
-    fast._fns = _PackagedGraphs(fast._fns, loaded, missing)
-    if has_prefill:
-        fast._eager_step = _ChunkedPrefill(loaded, fast.slots)
+    fast.use_graphs(_PackagedGraphs({}, loaded, missing), prefill=_ChunkedPrefill(loaded) if has_prefill else None)
     timings["total"] = time.perf_counter() - t0
     return loaded
 

@@ -71,6 +71,54 @@ def _tree_mask(L, q_pos, anc, valid, width, window):
     return torch.where(vis, zero, NEG_INF).unsqueeze(1)
 
 
+def chain_logits(step, root, L, active, drafts, kv, slots, width, window):
+    """The target's logits for a chain round: the root (slot / position L) and k drafts after it,
+    each seeing the committed prefix and the chain before it; inactive rows write to the scratch
+    slot. Shared by the compiled round, the AOT packages and the ONNX graphs.
+    root [B], L [B], active [B] bool, drafts [B, k] -> logits [B, k+1, V]."""
+    k = drafts.shape[1]
+    ids = torch.cat([root.unsqueeze(1), drafts], dim=1)  # [B, k+1]
+    pos = L.unsqueeze(1) + torch.arange(k + 1, device=L.device)
+    valid = active.unsqueeze(1).expand_as(pos)
+    mask = _step_mask(L, pos, valid, width, window).to(kv[0].dtype)
+    logits, _ = step(ids, pos, mask, torch.where(valid, pos, slots - 1), *kv)
+    return logits
+
+
+def tree_logits(step, root, L, active, tree_tokens, parents, max_children, kv, slots, width, window):
+    """The target's logits for a tree round: node i at slot L + i and position L + depth(i), seeing
+    the committed prefix and its ancestors (topology from ``parents``, an input, so one graph serves
+    every tree of N nodes). root [B], tree_tokens [B, N] (column 0 ignored), parents [B, N] (-1 at
+    the root) -> (logits [B, N, V], ids [B, N], children [B, N, C])."""
+    N = parents.shape[1]
+    depth, anc, children = tree_buffers(parents, max_children)
+    ids = torch.cat([root.unsqueeze(1), tree_tokens[:, 1:]], dim=1)  # [B, N]
+    pos = L.unsqueeze(1) + depth
+    valid = active.unsqueeze(1).expand_as(pos)
+    write = torch.where(valid, L.unsqueeze(1) + torch.arange(N, device=L.device), slots - 1)
+    mask = _tree_mask(L, pos, anc, valid, width, window).to(kv[0].dtype)
+    logits, _ = step(ids, pos, mask, write, *kv)
+    return logits, ids, children
+
+
+def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None):
+    """Prompt tokens into the cache: query (b, j) at position pos[b, j] sees the slots in
+    [start, pos] (start = 0: the whole prompt so far); invalid columns write to the scratch slot.
+    ids, pos [B, C] long, valid [B, C] bool, start [B] long or None -> logits [B, C, V]."""
+    if start is None:
+        start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+    mask = _step_mask(start, pos, valid, slots, window).to(kv[0].dtype)
+    logits, _ = step(ids, torch.where(valid, pos, 0), mask, torch.where(valid, pos, slots - 1), *kv)
+    return logits
+
+
+def scaled_logits(logits, temperature):
+    """logits [B, Q, V] divided by a per-row temperature [B] float32: what ``warp_logits`` does
+    first, with the temperature an input instead of a constant, so one sampling graph serves every
+    temperature (verification then runs at temperature 1.0: the same arithmetic)."""
+    return logits.float() / temperature.view(-1, 1, 1)
+
+
 def _compact_path(kv, L, path_nodes, n, active, scratch):
     """KV compaction after a tree round: the accepted nodes' K/V (slots L + path_nodes[:, j]) move
     to the contiguous slots L + j, so the committed prefix stays slot = position and the next
@@ -265,6 +313,7 @@ class SpecGraphModel:
         self._eager_draft_step = None if draft_model is None else Step(draft_model)
         self._steps: dict = {}
         self._fns: dict = {}
+        self._prefill_graph = None
         self._kv: dict = {}
         self.pass_counts: dict = {}
 
@@ -293,6 +342,43 @@ class SpecGraphModel:
         if draft == "ngram" and int(rank.max()) >= NGRAM_TREE_MATCHES:
             raise ValueError(f"prompt-lookup trees rank at most {NGRAM_TREE_MATCHES} candidates per node; got rank {int(rank.max())}")
         return spec, rank.tolist()
+
+    # ------------------------------------------------------------------------------------------
+    # precompiled graphs
+
+    def use_graphs(self, graphs, prefill=None) -> None:
+        """Serve rounds from graphs compiled elsewhere (AOTInductor packages: :mod:`specgraph.aot`).
+
+        ``graphs`` is a mapping from graph keys to callables with the signatures of
+        :meth:`_round_fn` / :meth:`_tree_round_fn` (see :meth:`graph_key`); lookups it does not
+        answer (``key not in graphs``) are compiled here as usual, so a mapping may also raise from
+        ``__contains__`` to forbid compiling. ``prefill(ids, pos, valid, *kv)`` (ids, pos [B, P]
+        long, valid [B, P] bool) replaces the eager prompt prefill of the target.
+        """
+        self._fns = graphs
+        self._prefill_graph = prefill
+
+    def graph_key(self, kind: str, batch: int, params: SamplingParams, width: int, shape) -> tuple:
+        """The key :meth:`use_graphs` mappings are asked for: ``kind`` "round" (``shape`` = chain
+        depth k) or "tree" (``shape`` = (N nodes, C max children, D depth)), a batch bucket, the
+        sampling settings (sampling graphs are keyed at temperature 1: it is an input) and the
+        attended width."""
+        if kind not in ("round", "tree"):
+            raise ValueError(f"kind must be 'round' or 'tree', got {kind!r}")
+        return (kind, batch, self._graph_params(params), width, shape)
+
+    def set_depths(self, depths) -> None:
+        """The chain depths model-free drafters move between (one compiled graph each): they start
+        at the smallest, climb after a fully accepted round and step down after a poor one."""
+        if self.draft not in ("ngram", "suffix") or self.tree is not None:
+            raise ValueError("depths apply to model-free chains: draft='ngram' or 'suffix' with tree=None")
+        try:
+            ladder = sorted({int(d) for d in depths})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"depths must be positive integers, got {depths!r}") from e
+        if not ladder or ladder[0] < 1:
+            raise ValueError(f"depths must be positive integers, got {depths!r}")
+        self.k, self.k_ladder, self.span = ladder[-1], ladder, ladder[-1] + 1
 
     # ------------------------------------------------------------------------------------------
     # graphs
@@ -354,29 +440,34 @@ class SpecGraphModel:
 
         return run_cuda
 
+    @staticmethod
+    def _graph_params(params: SamplingParams) -> SamplingParams:
+        """Sampling rounds take the temperature as an input: graphs are keyed without it."""
+        return params if params.greedy else SamplingParams(1.0, params.top_k, params.top_p, params.min_p)
+
     def _round_fn(self, B: int, params: SamplingParams, width: int, k: int):
-        """One verification round over k given drafts (k = 0: a plain decoding step)."""
+        """One verification round over k given drafts (k = 0: a plain decoding step). Greedy:
+        ``fn(root, L, active, accept_u, expo, drafts, draft_probs, *kv)``; sampling takes a
+        ``temperature`` [B] float32 after ``draft_probs``. Returns (tokens [B, k+1], n [B])."""
+        params = self._graph_params(params)
         key = ("round", B, params, width, k)
         if key not in self._fns:
             S, window = self.slots, self.window
             use_q = self.draft == "model" and not params.greedy and k > 0
             step = self._step(B, k + 1, width)
-            depth = torch.arange(k + 1)
-
-            def round_fn(root, L, active, accept_u, expo, drafts, draft_probs, *kv):
-                # root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V] (or [B, k+1, 1]
-                # when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
-                ids = torch.cat([root.unsqueeze(1), drafts], dim=1)  # [B, k+1]
-                pos = L.unsqueeze(1) + depth.to(L.device)
-                valid = active.unsqueeze(1).expand_as(pos)
-                slots = torch.where(valid, pos, S - 1)
-                mask = _step_mask(L, pos, valid, width, window).to(kv[0].dtype)
-                logits, _ = step(ids, pos, mask, slots, *kv)
-                noise = None if params.greedy else (accept_u, expo)
-                return verify_chain_with_noise(
-                    logits, draft_probs if use_q else None, drafts, noise,
-                    params.temperature, params.top_k, params.top_p, params.min_p,
-                )
+            # root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V] (or [B, k+1, 1]
+            # when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
+            if params.greedy:
+                def round_fn(root, L, active, accept_u, expo, drafts, draft_probs, *kv):
+                    logits = chain_logits(step, root, L, active, drafts, kv, S, width, window)
+                    return verify_chain_with_noise(logits, None, drafts, None, 0.0)
+            else:
+                def round_fn(root, L, active, accept_u, expo, drafts, draft_probs, temperature, *kv):
+                    logits = chain_logits(step, root, L, active, drafts, kv, S, width, window)
+                    return verify_chain_with_noise(
+                        scaled_logits(logits, temperature), draft_probs if use_q else None, drafts,
+                        (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
+                    )
 
             self._fns[key] = self._compiled("round", round_fn)
         return self._fns[key]
@@ -384,31 +475,35 @@ class SpecGraphModel:
     def _tree_round_fn(self, B: int, params: SamplingParams, width: int, shape: tuple[int, int, int]):
         """One verification round over a token tree of the compiled ``shape`` (N nodes, at most C
         children per node, depth at most D), with the tree's topology an input (``parents``), then
-        KV compaction of the accepted path, all in one graph."""
+        KV compaction of the accepted path, all in one graph. Greedy:
+        ``fn(root, L, active, accept_u, expo, tree_tokens, parents, *kv)``; sampling takes a
+        ``temperature`` [B] float32 after ``parents``. Returns (path tokens, n, path nodes)."""
+        params = self._graph_params(params)
         key = ("tree", B, params, width, shape)
         if key not in self._fns:
             S, window = self.slots, self.window
             N, C, D = shape
             step = self._step(B, N, width)
-            node = torch.arange(N)
 
-            def tree_round_fn(root, L, active, accept_u, expo, tree_tokens, parents, *kv):
-                # root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V] (or [B, N, 1]
-                # when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
-                depth, anc, children = tree_buffers(parents, C)
-                ids = torch.cat([root.unsqueeze(1), tree_tokens[:, 1:]], dim=1)  # [B, N]
-                pos = L.unsqueeze(1) + depth
-                valid = active.unsqueeze(1).expand_as(pos)
-                slots = torch.where(valid, L.unsqueeze(1) + node.to(L.device), S - 1)
-                mask = _tree_mask(L, pos, anc, valid, width, window).to(kv[0].dtype)
-                logits, _ = step(ids, pos, mask, slots, *kv)
-                noise = None if params.greedy else (accept_u, expo)
+            def verify_and_compact(logits, ids, children, noise, L, active, kv):
                 path_tokens, n, path_nodes = verify_tree_with_noise(
-                    logits, None, ids, children, D, noise,
-                    params.temperature, params.top_k, params.top_p, params.min_p,
+                    logits, None, ids, children, D, noise, 1.0 if noise is not None else 0.0,
+                    params.top_k, params.top_p, params.min_p,
                 )
                 _compact_path(kv, L, path_nodes, n, active, S - 1)
                 return path_tokens, n, path_nodes
+
+            # root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V] (or [B, N, 1]
+            # when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
+            if params.greedy:
+                def tree_round_fn(root, L, active, accept_u, expo, tree_tokens, parents, *kv):
+                    logits, ids, children = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S, width, window)
+                    return verify_and_compact(logits, ids, children, None, L, active, kv)
+            else:
+                def tree_round_fn(root, L, active, accept_u, expo, tree_tokens, parents, temperature, *kv):
+                    logits, ids, children = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S, width, window)
+                    return verify_and_compact(scaled_logits(logits, temperature), ids, children,
+                                              (accept_u, expo), L, active, kv)
 
             self._fns[key] = self._compiled("tree_round", tree_round_fn)
         return self._fns[key]
@@ -712,9 +807,9 @@ class SpecGraphModel:
         for b, r in enumerate(rows):
             hist[b, : len(r)] = torch.tensor(r)
         hist = hist.to(device)
-        self._prefill(B, rows, kv, device, self._eager_step, self.window)
+        self._prefill(B, rows, kv, device, "target")
         if self.draft == "model":
-            self._prefill(B, rows, self._cache(B, "draft"), device, self._eager_draft_step, self.draft_window)
+            self._prefill(B, rows, self._cache(B, "draft"), device, "draft")
         L = torch.tensor([n - 1 for n in lens], device=device)
         root = hist.gather(1, (L).unsqueeze(1)).squeeze(1)
         new = [[] for _ in range(n_rows)]
@@ -724,6 +819,7 @@ class SpecGraphModel:
         V = self.model.get_output_embeddings().weight.shape[0]
         L_host = [n - 1 for n in lens]
         self._k_now = self.k_ladder[0]
+        temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
         while not all(done):
             need = max(L_host[b] for b in range(B) if not done[b]) + self.span
             width = attend_width(need, S)
@@ -744,7 +840,7 @@ class SpecGraphModel:
                     accept_u, expo = chain_noise(B, k, V, device, generator)
                 round_fn = self._round_fn(B, params, width, k)
                 tokens, n = round_fn(root, L, active, accept_u, expo, drafts,
-                                     accept_u if draft_probs is None else draft_probs, *kv)
+                                     accept_u if draft_probs is None else draft_probs, *temp, *kv)
                 depth = k
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
             self.stats.rounds += 1
@@ -785,18 +881,20 @@ class SpecGraphModel:
             accept_u, expo = torch.zeros(B, N, C, device=device), torch.ones(B, N, 1, device=device)
         else:
             accept_u, expo = tree_noise(B, N, C, V, device, generator)
+        temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
         tokens, n, path_nodes = self._tree_round_fn(B, params, width, shape)(
-            root, L, active, accept_u, expo, tree_tokens, parents, *kv)
+            root, L, active, accept_u, expo, tree_tokens, parents, *temp, *kv)
         if self.draft == "model":  # the draft cache holds the fed tree nodes at their tree slots too
             self._compact_fn(B, "draft")(L, path_nodes, n, active, *self._cache(B, "draft"))
         return tokens, n
 
-    def _prefill(self, B, rows, kv, device, step, window):
+    def _prefill(self, B, rows, kv, device, which):
         """Write every prompt token but the last (the first root) into the cache.
 
         Runs the unmodified model eagerly through :class:`specgraph.capture.Step` with the same
         tensor-backed cache: one call for any prompt length, no compile per prompt shape, and the
-        same kernels HF's own prefill uses. Padding positions write to the scratch slot.
+        same kernels HF's own prefill uses (or the target's prefill graph given to
+        :meth:`use_graphs`). Padding positions write to the scratch slot.
         """
         P = max(len(r) for r in rows) - 1
         if P <= 0:
@@ -808,8 +906,12 @@ class SpecGraphModel:
             valid[b, : len(r) - 1] = True
         ids, valid = ids.to(device), valid.to(device)
         pos = torch.arange(P, device=device).expand(B, P).contiguous()
-        mask = _step_mask(torch.zeros(B, dtype=torch.long, device=device), pos, valid, self.slots, window)
-        step(ids, pos, mask.to(kv[0].dtype), torch.where(valid, pos, self.slots - 1), *kv)
+        if which == "target" and self._prefill_graph is not None:
+            self._prefill_graph(ids, pos, valid, *kv)
+        elif which == "target":
+            prefill_logits(self._eager_step, ids, pos, valid, kv, self.slots, self.window)
+        else:
+            prefill_logits(self._eager_draft_step, ids, pos, valid, kv, self.slots, self.draft_window)
 
 
 def compile(
@@ -822,6 +924,7 @@ def compile(
     max_batch_size: int = 8,
     max_seq_len: int = 2048,
     freeze: bool = True,
+    depths=None,
 ) -> SpecGraphModel:
     """Compile ``model`` (an HF causal LM in eval mode) for speculative generation.
 
@@ -832,5 +935,11 @@ def compile(
     ``freeze=True`` lets Inductor treat the weights as constants (faster matmuls on CPU); each
     compiled graph then holds its own prepacked copy of the weights, and later changes to the
     model's weights are not seen. ``freeze=False`` saves that memory.
+
+    ``depths``: for model-free chains (``"ngram"``, ``"suffix"``), the depths to move between
+    (default: ``min(K, 4)`` and ``K``); the largest replaces ``num_speculative_tokens``.
     """
-    return SpecGraphModel(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze)
+    fast = SpecGraphModel(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze)
+    if depths is not None:
+        fast.set_depths(depths)
+    return fast

@@ -117,12 +117,13 @@ def test_plan_covers_every_shape_the_loop_can_ask_for(monkeypatch):
     assert len(names) == 3 * (1 + 3 * 3)
     assert {"prefill_b1_c16", "prefill_b3_c16"} <= names
     assert {"round_b1_k0_w256_greedy", "round_b3_k8_w601_greedy", "round_b2_k4_w512_greedy"} <= names
-    fast.k_ladder = [2, 4, 8]  # what --depths 2,4,8 sets
+    fast.set_depths([2, 4, 8])  # what --depths 2,4,8 sets
     assert {g.depth for g in aot.plan_graphs(fast, ("greedy", "sample")) if g.kind == "round"} == {0, 2, 4, 8}
     tree = specgraph.compile(model, "ngram", tree=[(0,), (1,), (0, 0)], backend="eager", max_batch_size=1, max_seq_len=64)
     plan = aot.plan_graphs(tree, ("greedy", "sample"))
     assert {(g.kind, g.mode, g.depth) for g in plan} == {("prefill", "greedy", 16), ("round", "greedy", 0),
-                                                         ("tree", "greedy", 2), ("round", "sample", 0)}
+                                                         ("tree", "greedy", 2), ("round", "sample", 0),
+                                                         ("tree", "sample", 2)}
     suffix = specgraph.compile(model, "suffix", tree="dynamic", num_speculative_tokens=8, backend="eager",
                                max_batch_size=1, max_seq_len=64)
     assert sorted(g.tree for g in aot.plan_graphs(suffix, ("greedy",)) if g.kind == "tree") == [(5, 4, 4), (17, 4, 8)]
@@ -398,17 +399,25 @@ def test_cli_bad_arguments_through_subprocess(compiled):
 
 @pytest.mark.slow
 def test_tree_rounds_roundtrip(tmp_path):
-    """Static prompt-lookup trees: the greedy tree package (with in-graph KV compaction) equals HF."""
+    """Static prompt-lookup trees: the greedy tree package (with in-graph KV compaction) equals HF;
+    the sampling tree package equals the eager specgraph path given the same seed."""
     model = tiny_model()
     out = tmp_path / "tree"
-    aot.compile_dir(model, out, draft="ngram", tree=[(0,), (1,), (0, 0), (0, 0, 0)], max_seq_len=MAX_SEQ,
-                    modes=("greedy",), progress=False)
+    tree = [(0,), (1,), (0, 0), (0, 0, 0)]
+    aot.compile_dir(model, out, draft="ngram", tree=tree, max_seq_len=MAX_SEQ, modes=("greedy", "sample"), progress=False)
     ld = aot.load_dir(out, tokenizer=False)
     ids = torch.tensor([(PERIODIC * 5)[:30]])
     got = ld.fast.generate(ids, max_new_tokens=20)
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(got, ref)
-    assert any(n.startswith("tree_") for n in ld.loaded_graphs)
+    sampled = ld.fast.generate(ids, max_new_tokens=20, do_sample=True, temperature=0.7,
+                               generator=torch.Generator().manual_seed(5))
+    assert ld.fast.stats.drafted > 0
+    eager = specgraph.compile(model, "ngram", tree=tree, backend="eager", max_batch_size=1, max_seq_len=MAX_SEQ)
+    ref_s = eager.generate(ids, max_new_tokens=20, do_sample=True, temperature=0.7,
+                           generator=torch.Generator().manual_seed(5))
+    assert torch.equal(sampled, ref_s)
+    assert any(n.startswith("tree_") and n.endswith("_sample") for n in ld.loaded_graphs)
 
 
 @pytest.mark.slow

@@ -563,6 +563,58 @@ def test_ngram_depth_ladder_goes_up_on_long_copies():
     assert fast.stats.mean_emitted > 5, fast.stats
 
 
+def test_compile_depths_sets_the_ladder_and_stays_exact():
+    """``depths=`` replaces the default ladder (min(K, 4), K): rounds use only those depths."""
+    model = tiny_model("llama")
+    ids, mask = left_pad([[124, 119] * 8])
+    ref = hf_generate(model, ids, mask, max_new_tokens=40)
+    fast = specgraph.compile(model, "ngram", backend="eager", max_batch_size=1, max_seq_len=96, depths=[6, 2, 3])
+    assert (fast.k_ladder, fast.k, fast.span) == ([2, 3, 6], 6, 7)
+    used = []
+    orig = fast._round_fn
+    fast._round_fn = lambda B, params, width, k: used.append(k) or orig(B, params, width, k)
+    out = sg_generate(fast, ids, mask, max_new_tokens=40)
+    assert_same(model, ids, mask, ref, out, "periodic llama depths 2,3,6")
+    assert used[0] == 2 and set(used) <= {0, 2, 3, 6} and 6 in used, used
+
+
+@pytest.mark.parametrize("draft, kwargs, depths, match", [
+    (None, {}, [2], "model-free chains"), ("ngram", {"tree": [(0,), (0, 0)]}, [2], "model-free chains"),
+    ("ngram", {}, [0, 2], "positive"), ("ngram", {}, [], "positive"), ("ngram", {}, ["x"], "positive"),
+])
+def test_compile_rejects_bad_depths(llama, draft, kwargs, depths, match):
+    with pytest.raises(ValueError, match=match):
+        specgraph.compile(llama, draft, backend="eager", depths=depths, **kwargs)
+
+
+def test_use_graphs_serves_rounds_and_prefill_from_the_given_graphs(llama):
+    """The public hook AOT loading uses: rounds are looked up in the given mapping (a miss compiles
+    as usual; a mapping may refuse), and the prompt prefill runs the given prefill graph."""
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10]])
+    ref = hf_generate(llama, ids, mask, max_new_tokens=6)
+    donor = specgraph.compile(llama, backend="eager", max_batch_size=1, max_seq_len=64)
+    served, prefills = [], []
+
+    class Graphs(dict):
+        def __contains__(self, key):
+            if key[0] != "round":
+                raise LookupError(f"refused {key[0]}")
+            served.append(key)
+            self[key] = donor._round_fn(key[1], key[2], key[3], key[4])
+            return True
+
+    def prefill(ids, pos, valid, *kv):
+        prefills.append(tuple(ids.shape))
+        sg_compiler.prefill_logits(donor._eager_step, ids, pos, valid, kv, fast.slots, fast.window)
+
+    fast = specgraph.compile(llama, backend="eager", max_batch_size=1, max_seq_len=64)
+    fast.use_graphs(Graphs(), prefill=prefill)
+    assert_same(llama, ids, mask, ref, sg_generate(fast, ids, mask, max_new_tokens=6), "use_graphs")
+    assert prefills == [(1, 5)] and served[0] == fast.graph_key("round", 1, sg_compiler.SamplingParams(0.0), 65, 0)
+    with pytest.raises(ValueError, match="kind"):
+        fast.graph_key("draft", 1, sg_compiler.SamplingParams(0.0), 65, 0)
+
+
 @pytest.mark.parametrize("tree, match", [
     ("dynamic", "draft='suffix'"), ("bushy", "list of paths"), ([(0,), (0,)], "duplicate"), ([(0, 0)], "prefix"),
     ([(0,), (9,)], "rank at most"),
