@@ -176,6 +176,9 @@ NGRAM_START_K = 4  # prompt lookup chains start at this depth and go up to K aft
 NGRAM_TREE_MATCHES = 8  # prompt lookup trees merge the continuations of this many latest matches
 SUFFIX_TREE_SIZES = (4, 16)  # drafted nodes of the compiled suffix-tree shapes; the smallest that fits is used
 SUFFIX_CHILDREN = 4  # children per node in suffix trees
+# Suffix drafts keep only nodes whose estimated path probability (count / root count) is at least
+# this: on a CPU a drafted token costs ~10% of a plain step, so a node below that loses on average.
+SUFFIX_MIN_SCORE = 0.1
 MIN_ATTEND = 256  # overridable for tests
 
 
@@ -192,6 +195,48 @@ def next_k(ladder: list[int], k_now: int, k: int, n_live: list[int]) -> int:
     if all(n - 1 <= k // 2 for n in n_live) and i > 0:
         return ladder[i - 1]
     return k
+
+
+def suffix_chains(sessions, k: int, min_score: float = SUFFIX_MIN_SCORE) -> list[list[int]]:
+    """Per row (a :class:`SuffixSession` or None), the suffix tree's best path as a chain of at most
+    k tokens, cut where its estimated probability drops below ``min_score``."""
+    return [[] if s is None else s.propose(k, 1, depth_limit=k).best_chain(k, min_score) for s in sessions]
+
+
+def chain_depth(ladder: list[int], need: int) -> int:
+    """The compiled chain depth that holds ``need`` drafts: the smallest rung >= need (else the top)."""
+    return next((d for d in ladder if d >= need), ladder[-1])
+
+
+def pack_suffix_trees(sessions, B: int, k: int, active: list[bool], min_score: float = SUFFIX_MIN_SCORE):
+    """Suffix-decoding trees, one per row, pruned to nodes of estimated path probability >=
+    ``min_score`` and packed into the smallest compiled shape (``SUFFIX_TREE_SIZES``) that holds
+    the largest: (tokens [B, N], parents [B, N] on the CPU, shape (N, C, D), drafted per row), or
+    None when no live row drafted. Padding nodes hang under the root and repeat its first child's
+    token: a repeated sibling is never accepted (greedy takes the first, recursive rejection zeroed
+    that token), so padding costs compute, never exactness."""
+    sessions = list(sessions) + [None] * (B - len(sessions))
+    props = [s.propose(max(SUFFIX_TREE_SIZES), SUFFIX_CHILDREN, depth_limit=k) if s is not None else None
+             for s in sessions]
+    # nodes come in non-increasing count order (a child never outcounts its parent): a prefix
+    # of the node list is a tree
+    keep = [0 if p is None else next((i for i, sc in enumerate(p.scores) if sc < min_score), len(p.scores))
+            for p in props]
+    drafted = [max(0, m - 1) for m in keep]
+    if not any(d > 0 for d, a in zip(drafted, active) if a):
+        return None
+    n = next(size for size in SUFFIX_TREE_SIZES if size >= max(drafted))
+    N, C = n + 1, SUFFIX_CHILDREN
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    parents = torch.zeros(B, N, dtype=torch.long)
+    parents[:, 0] = -1
+    for b, (p, m) in enumerate(zip(props, keep)):
+        if m <= 1:
+            continue
+        tokens[b, 1:m] = torch.tensor(p.tokens[1:m])
+        parents[b, 1:m] = torch.tensor(p.parents[1:m])
+        tokens[b, m:] = p.tokens[1]
+    return tokens, parents, (N, C, min(k, n)), drafted
 
 
 def eos_and_pad(eos_token_id, pad_token_id, default_eos, default_pad) -> tuple[list[int], int]:
@@ -622,13 +667,15 @@ class SpecGraphModel:
             drafts, matched = ngram_propose(hist, L + 1, k, NGRAM_MAX, NGRAM_MIN)
             if bool((matched * active).any()):  # host sync: which graph runs depends on it
                 return k, drafts, None
-        if self.draft == "suffix":  # the best path of the suffix tree as a chain
-            chains = [s.propose(k, 1, depth_limit=k).best_chain(k) for s in self._sessions]
-            if any(c for c, a in zip(chains, active.tolist()) if a):
+        if self.draft == "suffix":  # the best path of the suffix tree as a chain, in the smallest depth that holds it
+            chains = suffix_chains(self._sessions, self.k)
+            live = [len(c) for c, a in zip(chains, active.tolist()) if a]
+            if any(live):
+                k = chain_depth(self.k_ladder, max(live))
                 drafts = root.unsqueeze(1).repeat(1, k).cpu()  # padding: repeats of the root, just rejected
                 for b, c in enumerate(chains):
                     if c:
-                        drafts[b, : len(c)] = torch.tensor(c)
+                        drafts[b, : len(c)] = torch.tensor(c[:k])
                 return k, drafts.to(root.device), None
         return 0, hist[:, :0], None
 
@@ -662,29 +709,14 @@ class SpecGraphModel:
         return tokens, parents, shape, [N - 1] * B
 
     def _propose_suffix_tree(self, B, root, active):
-        """Suffix-decoding trees, one per row (host side: the suffix index lives in Python), packed
-        into the smallest compiled shape that holds the largest. Padding nodes hang under the root
-        and repeat its first child's token: a repeated sibling is never accepted (greedy takes the
-        first, recursive rejection zeroed that token), so padding costs compute, never exactness."""
-        props = [s.propose(max(SUFFIX_TREE_SIZES), SUFFIX_CHILDREN, depth_limit=self.k) if s is not None else None
-                 for s in self._sessions + [None] * (B - len(self._sessions))]
-        drafted = [0 if p is None else len(p.tokens) - 1 for p in props]
-        if not any(d > 0 for d, a in zip(drafted, active.tolist()) if a):
+        """Suffix-decoding trees (host side: the suffix index lives in Python), see
+        :func:`pack_suffix_trees`."""
+        packed = pack_suffix_trees(self._sessions, B, self.k, active.tolist())
+        if packed is None:
             return None
-        n = next(size for size in SUFFIX_TREE_SIZES if size >= max(drafted))
-        N, C = n + 1, SUFFIX_CHILDREN
-        tokens = torch.zeros(B, N, dtype=torch.long)
-        parents = torch.zeros(B, N, dtype=torch.long)
-        parents[:, 0] = -1
-        for b, p in enumerate(props):
-            if p is None or len(p.tokens) == 1:
-                continue
-            m = len(p.tokens)
-            tokens[b, 1:m] = torch.tensor(p.tokens[1:])
-            parents[b, 1:m] = torch.tensor(p.parents[1:])
-            tokens[b, m:] = p.tokens[1]  # padding: repeats of the root's first child
-        device = root.device
-        return tokens.to(device), parents.to(device), (N, C, min(self.k, n)), drafted
+        tokens, parents, shape, drafted = packed
+        return tokens.to(root.device), parents.to(root.device), shape, drafted
+
     def _next_k(self, k, n_live) -> int:
         return next_k(self.k_ladder, self._k_now, k, n_live)
 

@@ -411,13 +411,14 @@ class SuffixProposal:
         """Root-to-leaf token paths (root excluded), leaves in node order. [] for a root-only tree."""
         return [self.path(i) for i in range(1, len(self.tokens)) if not self.children(i)]
 
-    def best_chain(self, k: int) -> list[int]:
+    def best_chain(self, k: int, min_score: float = 0.0) -> list[int]:
         """Greedy top-1 chain of at most ``k`` tokens: from the root, repeatedly take the
-        highest-score child (its first child). This is what a chain-only caller should draft."""
+        highest-score child (its first child), stopping before a node whose score (estimated path
+        probability) is below ``min_score``. This is what a chain-only caller should draft."""
         out, i = [], 0
         while len(out) < k:
             kids = self.children(i)
-            if not kids:
+            if not kids or self.scores[kids[0]] < min_score:
                 break
             i = kids[0]
             out.append(self.tokens[i])

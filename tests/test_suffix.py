@@ -270,6 +270,29 @@ def test_paths_best_chain_and_default_depth_rule():
     assert default_spec_depth(20, 24) == 4 and default_spec_depth(0, 24) == 0
 
 
+def test_min_score_cuts_chains_and_prunes_packed_trees():
+    """Low-probability nodes are not drafted: the chain stops before them and the packed tree is
+    the prefix of nodes at or above the threshold (a prefix of the node list is a tree)."""
+    from specgraph.compiler import SUFFIX_TREE_SIZES, chain_depth, pack_suffix_trees, suffix_chains
+
+    ix = SuffixIndex(max_depth=24)
+    for tail in ([4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [4, 9, 9, 9], [8, 8, 8, 8]) * 2:
+        ix.add_document([1, 2, 3] + tail)
+    sess = ix.start([0, 2, 3])
+    p = sess.propose(16, 4, depth_limit=8)
+    assert p.scores[:3] == [1.0, pytest.approx(0.8), pytest.approx(0.6)]  # 4 (8 of 10), 4 5 (6 of 10)
+    assert p.best_chain(8, 0.7) == [4] and p.best_chain(8, 0.5) == [4, 5, 6, 7] and p.best_chain(8) == [4, 5, 6, 7]
+    assert suffix_chains([sess, None], 8, 0.7) == [[4], []]
+    assert [chain_depth([2, 4, 8], n) for n in (1, 2, 3, 5, 9)] == [2, 2, 4, 8, 8]
+    tokens, parents, shape, drafted = pack_suffix_trees([sess], 1, 8, [True], 0.25)
+    kept = [i for i, sc in enumerate(p.scores) if sc >= 0.25]
+    assert drafted == [len(kept) - 1] and kept == list(range(len(kept)))
+    assert shape[0] == 1 + next(n for n in SUFFIX_TREE_SIZES if n >= drafted[0])
+    assert tokens[0, 1:len(kept)].tolist() == p.tokens[1:len(kept)]
+    assert parents[0, :len(kept)].tolist() == p.parents[:len(kept)]
+    assert pack_suffix_trees([sess], 1, 8, [True], 1.01) is None  # nothing clears the bar: a plain step
+
+
 @settings(derandomize=True, max_examples=60, deadline=None, database=None)
 @given(st.lists(tok_lists(0, 25), min_size=1, max_size=25), st.integers(0, 60), st.integers(2, 8), tok_lists(0, 30))
 def test_global_budget_and_eviction(docs, budget, max_depth, ctx):
