@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from specgraph import learned
 from specgraph.capture import Step, UnsupportedModel, capture_step, check_supported, new_kv_cache
 from specgraph.drafters import ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
@@ -71,25 +72,27 @@ def _tree_mask(L, q_pos, anc, valid, width, window):
     return torch.where(vis, zero, NEG_INF).unsqueeze(1)
 
 
-def chain_logits(step, root, L, active, drafts, kv, slots, width, window):
+def chain_logits(step, root, L, active, drafts, kv, slots, width, window, hidden=False):
     """The target's logits for a chain round: the root (slot / position L) and k drafts after it,
     each seeing the committed prefix and the chain before it; inactive rows write to the scratch
     slot. Shared by the compiled round, the AOT packages and the ONNX graphs.
-    root [B], L [B], active [B] bool, drafts [B, k] -> logits [B, k+1, V]."""
+    root [B], L [B], active [B] bool, drafts [B, k] -> logits [B, k+1, V] (``hidden=True``: and the
+    final features [B, k+1, H], which head drafters read)."""
     k = drafts.shape[1]
     ids = torch.cat([root.unsqueeze(1), drafts], dim=1)  # [B, k+1]
     pos = L.unsqueeze(1) + torch.arange(k + 1, device=L.device)
     valid = active.unsqueeze(1).expand_as(pos)
     mask = _step_mask(L, pos, valid, width, window).to(kv[0].dtype)
-    logits, _ = step(ids, pos, mask, torch.where(valid, pos, slots - 1), *kv)
-    return logits
+    logits, last_hidden = step(ids, pos, mask, torch.where(valid, pos, slots - 1), *kv)
+    return (logits, last_hidden) if hidden else logits
 
 
-def tree_logits(step, root, L, active, tree_tokens, parents, max_children, kv, slots, width, window):
+def tree_logits(step, root, L, active, tree_tokens, parents, max_children, kv, slots, width, window, hidden=False):
     """The target's logits for a tree round: node i at slot L + i and position L + depth(i), seeing
     the committed prefix and its ancestors (topology from ``parents``, an input, so one graph serves
     every tree of N nodes). root [B], tree_tokens [B, N] (column 0 ignored), parents [B, N] (-1 at
-    the root) -> (logits [B, N, V], ids [B, N], children [B, N, C])."""
+    the root) -> (logits [B, N, V], ids [B, N], children [B, N, C]) (``hidden=True``: + the final
+    features [B, N, H])."""
     N = parents.shape[1]
     depth, anc, children = tree_buffers(parents, max_children)
     ids = torch.cat([root.unsqueeze(1), tree_tokens[:, 1:]], dim=1)  # [B, N]
@@ -97,19 +100,20 @@ def tree_logits(step, root, L, active, tree_tokens, parents, max_children, kv, s
     valid = active.unsqueeze(1).expand_as(pos)
     write = torch.where(valid, L.unsqueeze(1) + torch.arange(N, device=L.device), slots - 1)
     mask = _tree_mask(L, pos, anc, valid, width, window).to(kv[0].dtype)
-    logits, _ = step(ids, pos, mask, write, *kv)
-    return logits, ids, children
+    logits, last_hidden = step(ids, pos, mask, write, *kv)
+    return (logits, ids, children, last_hidden) if hidden else (logits, ids, children)
 
 
-def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None):
+def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None, hidden=False):
     """Prompt tokens into the cache: query (b, j) at position pos[b, j] sees the slots in
     [start, pos] (start = 0: the whole prompt so far); invalid columns write to the scratch slot.
-    ids, pos [B, C] long, valid [B, C] bool, start [B] long or None -> logits [B, C, V]."""
+    ids, pos [B, C] long, valid [B, C] bool, start [B] long or None -> logits [B, C, V] (``hidden=True``:
+    and the final features [B, C, H])."""
     if start is None:
         start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
     mask = _step_mask(start, pos, valid, slots, window).to(kv[0].dtype)
-    logits, _ = step(ids, torch.where(valid, pos, 0), mask, torch.where(valid, pos, slots - 1), *kv)
-    return logits
+    logits, last_hidden = step(ids, torch.where(valid, pos, 0), mask, torch.where(valid, pos, slots - 1), *kv)
+    return (logits, last_hidden) if hidden else logits
 
 
 def scaled_logits(logits, temperature):
@@ -300,17 +304,22 @@ class SpecGraphModel:
         if backend not in ("inductor", "eager"):
             raise ValueError(f"backend must be 'inductor' or 'eager', got {backend!r}")
         draft_model = None
-        if isinstance(draft, torch.nn.Module):
+        # learned drafters (specgraph.learned): "layerskip" becomes a draft model; "eagle" / "medusa"
+        # and head objects become (kind, head)
+        draft, head = learned.resolve_draft(model, draft)
+        if head is None and isinstance(draft, torch.nn.Module):
             draft_model, draft = draft, "model"
             _check_draft_model(model, draft_model)
         elif isinstance(draft, SuffixIndex):
             self.suffix_index, draft = draft, "suffix"
         elif draft == "suffix":
             self.suffix_index = SuffixIndex()
-        elif draft not in (None, "ngram"):
+        elif head is None and draft not in (None, "ngram"):
             raise ValueError(
                 f"draft={draft!r} is not supported: use None (compiled plain decoding), 'ngram' (prompt lookup), "
                 "'suffix' (suffix decoding; or a specgraph.suffix.SuffixIndex to share one index), "
+                "'eagle' / 'medusa' (the trained head matching this model, or a specgraph.heads.EagleHead / "
+                "MedusaHeads bound to it), 'layerskip' (the model's first layers, specgraph.drafters.layer_skip), "
                 "or a smaller PreTrainedModel with the same vocabulary"
             )
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
@@ -361,6 +370,10 @@ class SpecGraphModel:
         self._prefill_graph = None
         self._kv: dict = {}
         self.pass_counts: dict = {}
+        # a head drafter proposes from the target's final features, which the rounds then also return
+        self.learned = None if head is None else learned.make_drafter(self, head)
+        if self.learned is not None:
+            self.span = self.learned.span
 
     @staticmethod
     def _parse_tree(tree, draft):
@@ -371,10 +384,10 @@ class SpecGraphModel:
             raise ValueError("tree= needs a draft ('ngram' or a draft model): plain decoding has nothing to branch on")
         if isinstance(tree, str):
             if tree == "dynamic":
-                if draft == "suffix":
+                if draft in ("suffix", "eagle"):
                     return "dynamic", None
                 raise ValueError(
-                    "tree='dynamic' needs a drafter that scores its own nodes (draft='suffix'; EAGLE later); for "
+                    "tree='dynamic' needs a drafter that scores its own nodes (draft='suffix' or an EAGLE head); for "
                     "'ngram' and draft models pass a static tree as a list of paths, e.g. [(0,), (1,), (0, 0), (0, 0, 0)]"
                 )
             raise ValueError(f"tree must be None, a list of paths or 'dynamic', got {tree!r}")
@@ -498,21 +511,25 @@ class SpecGraphModel:
         key = ("round", B, params, width, k)
         if key not in self._fns:
             S, window = self.slots, self.window
-            use_q = self.draft == "model" and not params.greedy and k > 0
+            use_q = self.draft in ("model", *learned.LEARNED) and not params.greedy and k > 0
             step = self._step(B, k + 1, width)
+            hid = self.learned is not None
+
+            def outputs(verified, hidden):  # head drafters also read the features [B, k+1, H] of the fed tokens
+                return (*verified, hidden) if hid else verified
             # root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V] (or [B, k+1, 1]
             # when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
             if params.greedy:
                 def round_fn(root, L, active, accept_u, expo, drafts, draft_probs, *kv):
-                    logits = chain_logits(step, root, L, active, drafts, kv, S, width, window)
-                    return verify_chain_with_noise(logits, None, drafts, None, 0.0)
+                    logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, width, window, hidden=True)
+                    return outputs(verify_chain_with_noise(logits, None, drafts, None, 0.0), hidden)
             else:
                 def round_fn(root, L, active, accept_u, expo, drafts, draft_probs, temperature, *kv):
-                    logits = chain_logits(step, root, L, active, drafts, kv, S, width, window)
-                    return verify_chain_with_noise(
+                    logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, width, window, hidden=True)
+                    return outputs(verify_chain_with_noise(
                         scaled_logits(logits, temperature), draft_probs if use_q else None, drafts,
                         (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
-                    )
+                    ), hidden)
 
             self._fns[key] = self._compiled("round", round_fn)
         return self._fns[key]
@@ -530,25 +547,33 @@ class SpecGraphModel:
             N, C, D = shape
             step = self._step(B, N, width)
 
-            def verify_and_compact(logits, ids, children, noise, L, active, kv):
+            hid = self.learned is not None
+
+            def verify_and_compact(logits, ids, children, noise, L, active, kv, hidden):
                 path_tokens, n, path_nodes = verify_tree_with_noise(
                     logits, None, ids, children, D, noise, 1.0 if noise is not None else 0.0,
                     params.top_k, params.top_p, params.min_p,
                 )
                 _compact_path(kv, L, path_nodes, n, active, S - 1)
-                return path_tokens, n, path_nodes
+                if not hid:
+                    return path_tokens, n, path_nodes
+                # head drafters read the target's features along the accepted path [B, D+1, H]
+                idx = path_nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, hidden.shape[2])
+                return path_tokens, n, path_nodes, hidden.gather(1, idx)
 
             # root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V] (or [B, N, 1]
             # when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
             if params.greedy:
                 def tree_round_fn(root, L, active, accept_u, expo, tree_tokens, parents, *kv):
-                    logits, ids, children = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S, width, window)
-                    return verify_and_compact(logits, ids, children, None, L, active, kv)
+                    logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
+                                                                width, window, hidden=True)
+                    return verify_and_compact(logits, ids, children, None, L, active, kv, hidden)
             else:
                 def tree_round_fn(root, L, active, accept_u, expo, tree_tokens, parents, temperature, *kv):
-                    logits, ids, children = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S, width, window)
+                    logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
+                                                                width, window, hidden=True)
                     return verify_and_compact(scaled_logits(logits, temperature), ids, children,
-                                              (accept_u, expo), L, active, kv)
+                                              (accept_u, expo), L, active, kv, hidden)
 
             self._fns[key] = self._compiled("tree_round", tree_round_fn)
         return self._fns[key]
@@ -661,6 +686,8 @@ class SpecGraphModel:
         ``NGRAM_MIN`` tokens; otherwise the round is a plain step (k = 0), so text without
         repetition costs what plain decoding costs.
         """
+        if self.learned is not None:
+            return (self.k, *self.learned.propose_chain(B, params, generator, L, root, active))
         if self.draft == "model":
             return (self.k, *self._propose_with_draft_model(B, params, width, hist, L, root, active, generator, V))
         if self.draft == "ngram":
@@ -682,6 +709,8 @@ class SpecGraphModel:
     def _propose_tree(self, B, width, hist, L, root, active):
         """This round's tree: (tree_tokens [B, N], parents [B, N], shape (N, C, D), drafted nodes
         per row), or None when the model-free drafter matched nothing (then a plain step)."""
+        if self.learned is not None:
+            return self.learned.propose_tree(B, L, root, active)
         if self.dynamic_tree:
             return self._propose_suffix_tree(B, root, active)
         spec = self.tree
@@ -839,7 +868,9 @@ class SpecGraphModel:
         for b, r in enumerate(rows):
             hist[b, : len(r)] = torch.tensor(r)
         hist = hist.to(device)
-        self._prefill(B, rows, kv, device, "target")
+        prefilled = self._prefill(B, rows, kv, device, "target")
+        if self.learned is not None:  # the head's first feed (and its cache) from the prompt's features
+            self.learned.start(B, rows, None if prefilled is None else prefilled[1], device)
         if self.draft == "model":
             self._prefill(B, rows, self._cache(B, "draft"), device, "draft")
         L = torch.tensor([n - 1 for n in lens], device=device)
@@ -858,7 +889,7 @@ class SpecGraphModel:
             active = torch.tensor([not d for d in done], device=device)
             tree = None if self.tree is None else self._propose_tree(B, width, hist, L, root, active)
             if tree is not None:
-                tokens, n = self._run_tree_round(B, params, width, tree, root, L, active, generator, V, kv)
+                tokens, n, *hidden = self._run_tree_round(B, params, width, tree, root, L, active, generator, V, kv)
                 k, depth = tree[3], tree[2][2]  # drafted nodes per row, depth
             else:
                 if self.tree is None:
@@ -871,9 +902,11 @@ class SpecGraphModel:
                 else:
                     accept_u, expo = chain_noise(B, k, V, device, generator)
                 round_fn = self._round_fn(B, params, width, k)
-                tokens, n = round_fn(root, L, active, accept_u, expo, drafts,
-                                     accept_u if draft_probs is None else draft_probs, *temp, *kv)
+                tokens, n, *hidden = round_fn(root, L, active, accept_u, expo, drafts,
+                                              accept_u if draft_probs is None else draft_probs, *temp, *kv)
                 depth = k
+            if self.learned is not None:  # the next round's feed; it starts at this round's L
+                self.learned.observe(L, tokens, n, hidden[0])
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
             self.stats.rounds += 1
             if not isinstance(k, list):
@@ -914,11 +947,11 @@ class SpecGraphModel:
         else:
             accept_u, expo = tree_noise(B, N, C, V, device, generator)
         temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
-        tokens, n, path_nodes = self._tree_round_fn(B, params, width, shape)(
+        tokens, n, path_nodes, *hidden = self._tree_round_fn(B, params, width, shape)(
             root, L, active, accept_u, expo, tree_tokens, parents, *temp, *kv)
         if self.draft == "model":  # the draft cache holds the fed tree nodes at their tree slots too
             self._compact_fn(B, "draft")(L, path_nodes, n, active, *self._cache(B, "draft"))
-        return tokens, n
+        return (tokens, n, *hidden)
 
     def _prefill(self, B, rows, kv, device, which):
         """Write every prompt token but the last (the first root) into the cache.
@@ -926,11 +959,12 @@ class SpecGraphModel:
         Runs the unmodified model eagerly through :class:`specgraph.capture.Step` with the same
         tensor-backed cache: one call for any prompt length, no compile per prompt shape, and the
         same kernels HF's own prefill uses (or the target's prefill graph given to
-        :meth:`use_graphs`). Padding positions write to the scratch slot.
+        :meth:`use_graphs`). Padding positions write to the scratch slot. Returns the target's
+        (logits, final features) when a head drafter needs the features, else None.
         """
         P = max(len(r) for r in rows) - 1
         if P <= 0:
-            return
+            return None
         ids = torch.zeros(B, P, dtype=torch.long)
         valid = torch.zeros(B, P, dtype=torch.bool)
         for b, r in enumerate(rows):
@@ -940,6 +974,8 @@ class SpecGraphModel:
         pos = torch.arange(P, device=device).expand(B, P).contiguous()
         if which == "target" and self._prefill_graph is not None:
             self._prefill_graph(ids, pos, valid, *kv)
+        elif which == "target" and self.learned is not None:
+            return prefill_logits(self._eager_step, ids, pos, valid, kv, self.slots, self.window, hidden=True)
         elif which == "target":
             prefill_logits(self._eager_step, ids, pos, valid, kv, self.slots, self.window)
         else:
@@ -960,7 +996,12 @@ def compile(
 ) -> SpecGraphModel:
     """Compile ``model`` (an HF causal LM in eval mode) for speculative generation.
 
-    ``draft``: None (compiled plain decoding) or ``"ngram"`` (prompt lookup). ``backend="eager"``
+    ``draft``: None (compiled plain decoding), ``"ngram"`` (prompt lookup), ``"suffix"``, a draft
+    model, ``"layerskip"`` (the model's first layers as the draft, :func:`specgraph.drafters.layer_skip`),
+    or a learned head (:mod:`specgraph.learned`): ``"eagle"`` / ``"medusa"`` (the head file whose
+    fingerprint matches ``model``; an error when there is none) or an ``EagleHead`` / ``MedusaHeads``
+    bound to ``model``. EAGLE takes ``tree=None``, a static tree or ``"dynamic"`` (EAGLE-2 style);
+    Medusa a chain or a static tree. ``backend="eager"``
     runs the same rewritten graphs without torch.compile. Graphs are captured and compiled lazily,
     on first use of each (batch bucket, query length, attended width).
 

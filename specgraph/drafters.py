@@ -138,3 +138,79 @@ def ngram_tree_propose(
         tokens.append(torch.where(ok, pick, fallback))
         agree.append(cand & (tok == tokens[i].unsqueeze(1)) & ok.unsqueeze(1))
     return torch.stack(tokens, dim=1), matched
+
+
+# ----------------------------------------------------------------------------------------------
+# layer-skip self-drafting
+
+
+def _decoder_layers_path(model, total: int) -> str:
+    """Dotted name of the model's decoder-layer list: the one ``ModuleList`` with one entry per
+    layer (``model.layers`` for Llama-likes, ``transformer.h`` for GPT-2, ``model.decoder.layers``
+    for OPT, ``gpt_neox.layers``, ...)."""
+    found = [name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) == total and name]
+    if len(found) != 1:
+        raise ValueError(
+            f"layer_skip: cannot tell which module list of {type(model).__name__} holds its {total} decoder layers "
+            f"(candidates: {found or 'none'})")
+    return found[0]
+
+
+def layer_skip(model, num_layers: int | None = None):
+    """The target's first ``num_layers`` decoder layers + its final norm + its LM head, as a draft
+    model for ``specgraph.compile(model, draft=layer_skip(model, L))`` (``draft="layerskip"`` uses
+    the default L).
+
+    No weight is copied: the result is a shallow clone whose modules on the path to the layer list
+    are new objects (so the target keeps all its layers) while every parameter tensor is the
+    target's own. Its config is a copy with ``num_hidden_layers = L`` (and ``layer_types``
+    truncated), so the compiler allocates an L-layer draft cache and captures an L-layer step. The
+    draft keeps its own KV cache; the first L layers' K/V equal the target's at committed
+    positions, but sharing them would need the draft step to write into the target's cache
+    tensors, which the separate draft-model path does not do.
+
+    Default L = max(1, num_hidden_layers // 4): early exits from a quarter of the network are
+    cheap (a round's K draft steps cost about K/4 target steps) and, on pretrained models, agree
+    with the full model on easy tokens; untrained models gain little. L = num_hidden_layers gives
+    a draft equal to the target (every draft accepted: a self-check, not a speed-up).
+    """
+    import copy
+
+    cfg = model.config.get_text_config(decoder=True)
+    total = getattr(cfg, "num_hidden_layers", None)
+    if not total:
+        raise ValueError(f"layer_skip: {type(model).__name__}'s config has no num_hidden_layers")
+    if num_layers is None:
+        num_layers = max(1, total // 4)
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or not 1 <= num_layers <= total:
+        raise ValueError(f"layer_skip: num_layers must be an int in 1..{total}, got {num_layers!r}")
+    path = _decoder_layers_path(model, total).split(".")
+    new_config = copy.deepcopy(model.config)
+    new_text = new_config.get_text_config(decoder=True)
+    new_text.num_hidden_layers = num_layers
+    if getattr(new_text, "layer_types", None):
+        new_text.layer_types = list(new_text.layer_types)[:num_layers]
+
+    def clone(module):
+        # a new module object with its own child table; parameters and buffers stay shared
+        c = copy.copy(module)
+        c._modules = dict(module._modules)
+        if getattr(module, "config", None) is model.config:
+            c.config = new_config
+        elif getattr(module, "config", None) is cfg:
+            c.config = new_text
+        return c
+
+    root = clone(model)
+    parent = root
+    for name in path[:-1]:
+        child = clone(parent._modules[name])
+        parent._modules[name] = child
+        parent = child
+    parent._modules[path[-1]] = torch.nn.ModuleList(list(parent._modules[path[-1]])[:num_layers])
+    try:
+        root._specgraph_fingerprint = None  # a cached fingerprint of the target does not describe this draft
+    except Exception:  # noqa: BLE001
+        pass
+    return root

@@ -18,6 +18,9 @@ from transformers import LlamaConfig, AutoModelForCausalLM
 
 import specgraph
 import specgraph.compiler as sg_compiler
+import specgraph.learned as sg_learned
+from specgraph.drafters import layer_skip
+from specgraph.heads import EagleHead, MedusaHeads
 from specgraph.warping import warped_probs
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
@@ -90,15 +93,38 @@ def gof_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
 
 
 TREE = [(0,), (1,), (0, 0), (1, 0)]  # depth 2: two candidates, each with one child
-KINDS = [None, "ngram", "model", "self", "ngram-tree", "model-tree", "self-tree", "suffix", "suffix-tree"]
+KINDS = [None, "ngram", "model", "self", "ngram-tree", "model-tree", "self-tree", "suffix", "suffix-tree",
+         "eagle", "eagle-tree", "eagle-dynamic", "medusa", "medusa-tree", "layerskip", "layerskip-tree"]
+
+
+def random_head(target, kind):
+    """A randomly perturbed head bound to the target. The EAGLE head's fc starts by passing the token
+    embedding through and its output norm has the target's final-norm scale, so its q rows overlap
+    the target's (a head whose drafts are never accepted would not exercise the accept branch)."""
+    head = EagleHead(target.config) if kind == "eagle" else MedusaHeads.for_target(target.config, num_heads=2)
+    head.bind(target)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        if kind == "eagle":
+            H = target.config.hidden_size
+            head.fc.weight[:, :H] += torch.eye(H)
+            head.out_norm.weight.copy_(target.model.norm.weight)
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return head.eval()
 
 
 def compile_fast(target, draft_kind, draft_model):
     tree = None
-    if draft_kind is not None and draft_kind.endswith("-tree"):
-        draft_kind, tree = draft_kind.removesuffix("-tree"), TREE
-        tree = "dynamic" if draft_kind == "suffix" else TREE
-    draft = draft_model if draft_kind == "model" else draft_kind
+    if draft_kind is not None and draft_kind.endswith(("-tree", "-dynamic")):
+        draft_kind, shape = draft_kind.rsplit("-", 1)
+        tree = "dynamic" if draft_kind == "suffix" or shape == "dynamic" else TREE
+    if draft_kind in ("eagle", "medusa"):
+        draft = random_head(target, draft_kind)
+    elif draft_kind == "layerskip":  # the target's first layer: shares its weights
+        draft = layer_skip(target, 1)
+    else:
+        draft = draft_model if draft_kind == "model" else draft_kind
     return specgraph.compile(target, draft, num_speculative_tokens=2, tree=tree, backend="eager",
                              max_batch_size=BATCH, max_seq_len=32)
 
@@ -115,7 +141,8 @@ def test_sampled_law_of_three_tokens_matches_target(target, draft, draft_kind, s
     assert p > ALPHA, f"draft={draft_kind} {settings}: chi-square p = {p:.2e}"
     # both verification branches (accept, residual resample) were exercised; the random draft
     # model's top-2 children almost never hold the target's likely tokens, the target's own do
-    if draft_kind in ("model", "ngram-tree", "self-tree", "suffix", "suffix-tree"):
+    if draft_kind in ("model", "ngram-tree", "self-tree", "suffix", "suffix-tree", "eagle", "eagle-tree", "eagle-dynamic",
+                      "medusa", "medusa-tree", "layerskip", "layerskip-tree"):
         assert 0 < fast.stats.accepted < fast.stats.drafted
     if draft_kind == "self":  # the draft is the target: every sampled draft must be accepted
         assert fast.stats.accepted == fast.stats.drafted
@@ -133,6 +160,24 @@ def test_negative_control_argmax_drafts_reported_as_sampled_is_rejected(target, 
     monkeypatch.setattr(sg_compiler, "_race_noise", no_noise)
     fast = compile_fast(target, "model", draft)
     counts = sampled_counts(fast, settings, seed=7)
+    assert calls, "the mutation was not exercised"
+    p = gof_pvalue(counts, exact_law(target, settings))
+    assert p < ALPHA, f"negative control not detected: p = {p:.3g}"
+
+
+def test_negative_control_eagle_argmax_drafts_reported_as_sampled_is_rejected(target, monkeypatch):
+    """The same mutation for an EAGLE head: its drafts are the argmax of q, its q rows still go to
+    verification as the distribution they were sampled from."""
+    settings = dict(temperature=0.7, top_k=4)
+    calls = []
+
+    def no_noise(B, K, V_, device, generator, greedy):
+        calls.append(1)
+        return torch.ones(B, K, V_, device=device)
+
+    monkeypatch.setattr(sg_learned, "draft_noise", no_noise)
+    fast = compile_fast(target, "eagle", None)
+    counts = sampled_counts(fast, settings, seed=8)
     assert calls, "the mutation was not exercised"
     p = gof_pvalue(counts, exact_law(target, settings))
     assert p < ALPHA, f"negative control not detected: p = {p:.3g}"
