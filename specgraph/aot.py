@@ -362,7 +362,8 @@ def compile_dir(
             the compiler's ladder for K. Depth 0 (a plain step) is always compiled.
         tree: as in :func:`specgraph.compile` (static trees of paths with ``"ngram"``, ``"dynamic"``
             with ``"suffix"``); greedy tree rounds are packaged.
-        formats: ``"pt2"`` (AOTInductor packages) and/or ``"onnx"`` (:func:`specgraph.export_onnx`).
+        formats: ``"pt2"`` (AOTInductor packages) and/or ``"onnx"`` (:func:`specgraph.export_onnx`:
+            chains, static prompt-lookup trees and suffix decoding, chains or dynamic trees).
         modes: ``"greedy"`` and/or ``"sample"`` graphs; ``top_k`` / ``top_p`` / ``min_p`` are baked
             into the sampling graphs (the temperature stays an input).
         prefill_chunk: prompt tokens per call of the packaged prefill (one package per batch bucket);
@@ -386,8 +387,6 @@ def compile_dir(
             raise ValueError("depths set the prompt-lookup chain ladder: they need draft='ngram' or 'suffix' and tree=None")
         depths = _parse_depths(depths)
         num_speculative_tokens = max(depths)
-    if "onnx" in formats and (draft == "suffix" or tree is not None):
-        raise ValueError("the ONNX format covers chains with draft=None or 'ngram' (no trees, no suffix decoding)")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -442,8 +441,10 @@ def compile_dir(
     if "onnx" in formats:
         from specgraph.onnx_export import export_onnx
 
+        # chains: the plain step and the ladder; trees: export_onnx's default (the tree shapes + the plain step)
         ladder = [k for k in fast.k_ladder if k > 0] if draft is not None else []
-        ox = export_onnx(fast, out / ONNX_SUBDIR, depths=sorted({0, *ladder}), batch_size=max_batch_size,
+        ox = export_onnx(fast, out / ONNX_SUBDIR, depths=None if tree is not None else sorted({0, *ladder}),
+                         batch_size=max_batch_size,
                          modes=modes, top_k=top_k, top_p=top_p, min_p=min_p, progress=progress)
         onnx_info = {"dir": ONNX_SUBDIR, "manifest": f"{ONNX_SUBDIR}/manifest.json",
                      "graphs": [g["name"] for g in ox["graphs"]], "opset": ox["opset"]}

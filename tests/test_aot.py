@@ -135,8 +135,6 @@ def test_compile_dir_argument_errors(tmp_path):
         aot.compile_dir(model, tmp_path / "a", draft=model)
     with pytest.raises(ValueError, match="depths"):
         aot.compile_dir(model, tmp_path / "a", draft=None, depths=[2])
-    with pytest.raises(ValueError, match="ONNX"):
-        aot.compile_dir(model, tmp_path / "a", draft="suffix", formats=("onnx",))
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError):
@@ -352,7 +350,7 @@ def test_background_weights_check_refuses_modified_weights(compiled, tmp_path):
     (["compile", "SRC", "--out", "OUT", "--format", "pt2,tflite"], "unknown tflite"),
     (["compile", "SRC", "--out", "OUT", "--draft", "none", "--depths", "2,4"], "--depths sets the prompt-lookup"),
     (["compile", "SRC", "--out", "OUT", "--tree", "[[0], [1,"], "--tree must be"),
-    (["compile", "SRC", "--out", "OUT", "--draft", "suffix", "--format", "onnx"], "--format onnx covers chains"),
+    (["export-onnx", "SRC", "--out", "OUT", "--draft", "ngram", "--tree", "dynamic"], "--tree dynamic needs --draft suffix"),
     (["compile", "SRC", "--out", "DIR"], "is not empty"),
     (["compile", "SRC"], "--out"),
     (["generate", "/nonexistent/compiled/dir", "--prompt", "hi"], "neither 'default'"),
@@ -421,16 +419,22 @@ def test_tree_rounds_roundtrip(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_onnx_dir_generates_with_onnx_runtime(src, tmp_path):
+@pytest.mark.parametrize("flags, graph", [
+    ([], "verify_k2"),
+    # suffix trees: tree graphs + the plain step; a round writes up to 17 slots, hence the longer cache
+    (["--draft", "suffix", "--tree", "dynamic", "--max-seq-len", "96"], "tree_n5_c4_d2"),
+])
+def test_export_onnx_dir_generates_with_onnx_runtime(src, tmp_path, flags, graph):
     """`specgraph export-onnx` writes a DIR whose ONNX graphs `generate --runtime onnx` runs; the
     ONNX generator's greedy output equals HF generate."""
     pytest.importorskip("onnxruntime")
     out = tmp_path / "onnx_dir"
     r = cli("export-onnx", src, "--out", out, "--num-speculative-tokens", 2, "--max-seq-len", MAX_SEQ,
-            "--modes", "greedy", "--quiet")
+            "--modes", "greedy", "--quiet", *flags)
     assert r.returncode == 0, r.stderr[-3000:]
     man = json.loads((out / aot.MANIFEST).read_text())
     assert man["formats"] == ["onnx"] and man["graphs"] == [] and man["model"]["weights"] is None
+    assert graph in man["onnx"]["graphs"] and "verify_k0" in man["onnx"]["graphs"]
     r = cli("generate", out, "--prompt", "abcabcabcabc", "--max-new-tokens", 8)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ONNX Runtime" in r.stderr

@@ -1,11 +1,13 @@
 """ONNX export of the compiled speculative step and generation with onnxruntime.
 
 Tiny random models (as in test_compile.py): llama (batch 2, n-gram drafts, greedy and sampling
-graphs, weights in a shared external file), qwen2 (batch 1, n-gram drafts, greedy graphs) and gpt2
-(plain decoding, ``draft=None``). Greedy output must equal ``model.generate`` token for token;
-given the same random inputs a graph must accept exactly the tokens that
-``verify_chain_with_noise`` accepts on the same logits; the graph's logits must match the torch
-step within 1e-4.
+graphs, weights in a shared external file), qwen2 (batch 1, n-gram drafts, greedy graphs), gpt2
+(plain decoding, ``draft=None``), and on llama: a static prompt-lookup tree (greedy and sampling
+tree graphs), suffix decoding with dynamic trees (greedy) and a smaller draft model (chain, greedy
+and sampling draft-step graphs). Greedy output must equal ``model.generate`` and the compiled torch
+path token for token; given the same random inputs a graph must accept exactly the tokens the
+compiler's own round function (and ``verify_chain_with_noise`` / ``verify_tree_with_noise`` on the
+graph's logits) accepts; the graph's logits must match the torch step within 1e-4.
 """
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 import specgraph  # noqa: E402
 from specgraph.capture import capture_step  # noqa: E402
 from specgraph.onnx import OnnxSpecGenerator, load_manifest  # noqa: E402
-from specgraph.onnx_export import PrefillChunk, VerifyRound, export_onnx  # noqa: E402
+from specgraph.onnx_export import PrefillChunk, VerifyRound, export_onnx, tree_graph_name  # noqa: E402
 from specgraph.passes import run_step_pipeline  # noqa: E402
-from specgraph.verify import verify_chain_with_noise  # noqa: E402
+from specgraph.trees import tree_buffers  # noqa: E402
+from specgraph.verify import verify_chain_with_noise, verify_tree_with_noise  # noqa: E402
+from specgraph.warping import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
 
@@ -41,9 +45,16 @@ TINY = dict(
 )
 
 
-def tiny_model(arch, seed=0):
+# a smaller draft for the tiny llama: same vocabulary, one layer, its own KV layout
+TINY_DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=128, max_position_embeddings=256)
+# a static tree: two candidates at depth 1, three under the best one, depth 3 (7 nodes, C = 2)
+TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+def tiny_model(arch, seed=0, overrides=None):
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(arch, **TINY[arch])
+    cfg = AutoConfig.for_model(arch, **(overrides or TINY[arch]))
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # as in test_compile: EOS only when a test passes one
     return model
@@ -70,9 +81,11 @@ ROW_LADDER = [repeated([50, 9], 30)]  # on the tiny qwen2, a copy long enough to
 
 
 class Exported:
-    def __init__(self, arch, draft, k, batch, chunk, modes, external, tmp):
+    def __init__(self, arch, draft, k, batch, chunk, modes, external, tmp, tree=None):
         self.model = tiny_model(arch)
-        self.fast = specgraph.compile(self.model, draft, num_speculative_tokens=k, backend="eager",
+        if draft == "model":
+            draft = tiny_model(arch, seed=1, overrides=TINY_DRAFT)
+        self.fast = specgraph.compile(self.model, draft, num_speculative_tokens=k, tree=tree, backend="eager",
                                       max_batch_size=batch, max_seq_len=96)
         self.dir = tmp / arch
         self.manifest = export_onnx(self.fast, self.dir, batch_size=batch, progress=False, modes=modes,
@@ -96,6 +109,28 @@ def qwen2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
     return Exported("gpt2", None, 4, 1, 8, ("greedy",), None, tmp_path_factory.mktemp("onnx"))
+
+
+@pytest.fixture(scope="module")
+def ngram_tree(tmp_path_factory):
+    return Exported("llama", "ngram", 4, 2, 16, ("greedy", "sample"), None, tmp_path_factory.mktemp("onnx"), tree=TREE)
+
+
+@pytest.fixture(scope="module")
+def suffix_tree(tmp_path_factory):
+    # K = 4: tree shapes (5 nodes, 4 children, depth 4) and (17, 4, 4), as the compiler packs them
+    return Exported("llama", "suffix", 4, 2, 16, ("greedy",), None, tmp_path_factory.mktemp("onnx"), tree="dynamic")
+
+
+@pytest.fixture(scope="module")
+def suffix_chain(tmp_path_factory):
+    # the best path of the suffix tree as a chain, on the depth ladder (verify_k0, _k4)
+    return Exported("llama", "suffix", 4, 2, 16, ("greedy",), None, tmp_path_factory.mktemp("onnx"))
+
+
+@pytest.fixture(scope="module")
+def draft_chain(tmp_path_factory):
+    return Exported("llama", "model", 3, 2, 16, ("greedy", "sample"), None, tmp_path_factory.mktemp("onnx"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,10 +327,9 @@ def test_refusals(llama, qwen2):
         g.generate(ids, max_new_tokens=90)
     with pytest.raises(ValueError, match="no sample graphs"):
         qwen2.generator().generate(ids, do_sample=True)
-    with pytest.raises(NotImplementedError, match="draft=.model."):
-        export_onnx(specgraph.compile(llama.model, tiny_model("llama", seed=1), backend="eager"), "unused")
-    with pytest.raises(NotImplementedError, match="tree speculation"):
-        export_onnx(specgraph.compile(llama.model, "ngram", tree=[(0,), (1,), (0, 0)], backend="eager"), "unused")
+    with pytest.raises(NotImplementedError, match="draft-model trees"):
+        export_onnx(specgraph.compile(llama.model, tiny_model("llama", seed=1), tree=[(0,), (1,), (0, 0)],
+                                      backend="eager"), "unused")
 
 
 @torch.no_grad()
@@ -308,3 +342,229 @@ def test_broken_prefill_breaks_greedy_equality(llama, monkeypatch):
     monkeypatch.setattr(OnnxSpecGenerator, "_prefill", lambda self, rows, kv: orig(self, [r[:17] for r in rows], kv))
     out = llama.generator().generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=PAD)
     assert not torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# trees and draft models: graphs against the compiler's own round functions
+
+
+def random_parents(B, N, C, gen):
+    """[B, N] topologies, a different random tree per row, at most C children per node."""
+    out = torch.full((B, N), -1, dtype=torch.long)
+    for b in range(B):
+        kids = [0] * N
+        for i in range(1, N):
+            free = [j for j in range(i) if kids[j] < C]
+            p = free[int(torch.randint(len(free), (1,), generator=gen))]
+            out[b, i] = p
+            kids[p] += 1
+    return out
+
+
+def random_cache(names, shape, gen):
+    return [torch.randn(shape, generator=gen) for _ in names]
+
+
+def assert_caches_close(out, present, want, scratch):
+    """ORT's present caches vs the torch round's in-place updated ones, within 1e-4; the scratch slot
+    is left out (batch padding and rejected tree nodes all write there, in no defined order)."""
+    for name, w in zip(present, want):
+        got = torch.from_numpy(out[name])
+        assert (got[:, :, :scratch] - w[:, :, :scratch]).abs().max() < 1e-4, name
+
+
+@torch.no_grad()
+def test_tree_graph_matches_compiler_tree_round(ngram_tree):
+    """Random cache, a different random topology per row (the topology is an input), rows at
+    different lengths, one round with an inactive row: ORT's logits and compacted caches match
+    the compiler's ``_tree_round_fn`` (same step, mask, verification and in-graph compaction)
+    within 1e-4, and given identical uniforms (greedy and sampled) ORT emits exactly the tokens
+    and keeps exactly the path nodes the torch round does, and that verify_tree_with_noise gives
+    on ORT's logits."""
+    ex, B, V = ngram_tree, 2, 128
+    man, fast, S = ex.manifest, ex.fast, ex.fast.slots
+    shape = tuple(man["tree"]["shapes"][0])
+    N, C, D = shape
+    assert shape == (7, 2, 3) and man["tree"]["kind"] == "static" and man["tree"]["rank"] == fast.tree_rank
+    g = ex.generator()
+    gen = torch.Generator().manual_seed(0)
+    past, present = man["kv"]["past"], man["kv"]["present"]
+    seen = set()
+    for trial in range(10):
+        sample = trial >= 2
+        kv = random_cache(past, man["kv"]["shape"], gen)
+        root, L = torch.randint(0, V, (B,), generator=gen), torch.tensor([30, 61])
+        active = torch.tensor([True, trial != 3])
+        parents = random_parents(B, N, C, gen)
+        tree_tokens = torch.randint(0, V, (B, N), generator=gen)
+        feeds = dict(root=root, L=L, active=active, tree_tokens=tree_tokens, parents=parents, **dict(zip(past, kv)))
+        params = SamplingParams(1.0 if sample else 0.0)
+        fn = fast._tree_round_fn(B, params, S, shape)
+        ref_kv = [t.clone() for t in kv]
+        if sample:
+            # accept_u scaled down so that acceptances happen at every depth
+            accept_u = torch.rand(B, N, C, generator=gen) * [1.0, 0.05, 0.01, 0.002][trial % 4]
+            expo = -torch.log(torch.rand(B, N, V, generator=gen).clamp_min(1e-38))
+            temp = torch.full((B,), [1.0, 0.7, 1.3][trial % 3])
+            out = g.run(tree_graph_name(shape, True), {**feeds, "accept_u": accept_u, "expo": expo, "temperature": temp})
+            ref = fn(root, L, active, accept_u, expo, tree_tokens, parents, temp, *ref_kv)
+            noise, t = (accept_u, expo), float(temp[0])
+        else:
+            out = g.run(tree_graph_name(shape, False), feeds)
+            ref = fn(root, L, active, torch.zeros(B, N, C), torch.ones(B, N, 1), tree_tokens, parents, *ref_kv)
+            noise, t = None, 0.0
+        logits = torch.from_numpy(out["logits"])
+        # the graph's logits against the same step run by torch (the compiler's tree round computes them inside)
+        step = fast._step(B, N, S)
+        from specgraph.compiler import tree_logits
+        want_logits = tree_logits(step, root, L, active, tree_tokens, parents, C, [x.clone() for x in kv], S, S, fast.window)[0]
+        assert (logits - want_logits).abs().max() < 1e-4, trial
+        children = tree_buffers(parents, C)[2]
+        ids = torch.cat([root.unsqueeze(1), tree_tokens[:, 1:]], dim=1)
+        tok, n, nodes = verify_tree_with_noise(logits if not sample else logits / temp.view(-1, 1, 1), None, ids,
+                                               children, D, noise, 1.0 if sample else 0.0)
+        for name, want in (("tokens", ref[0]), ("num_emitted", ref[1]), ("path_nodes", ref[2])):
+            assert torch.equal(torch.from_numpy(out[name]), want), (trial, name)
+        assert torch.equal(ref[0], tok) and torch.equal(ref[1], n) and torch.equal(ref[2], nodes), trial
+        assert_caches_close(out, present, ref_kv, S - 1)
+        seen.update(n[active].tolist())
+    assert len(seen) >= 3, seen  # paths of several lengths were accepted and compacted
+
+
+@torch.no_grad()
+def test_draft_step_and_verify_graphs_match_compiler(draft_chain):
+    """Draft-model graphs: draft_q2 / draft_q1 against the compiler's ``_draft_fn`` (token, logits
+    or q row within 1e-4, draft cache within 1e-4; greedy and sampled with identical Exp(1) noise),
+    and verify_k3_sample with draft_probs against the compiler's ``_round_fn``: given identical
+    uniforms, the same accepted tokens."""
+    ex, B, V, K = draft_chain, 2, 128, 3
+    man, fast, S = ex.manifest, ex.fast, ex.fast.slots
+    dm = man["draft_model"]
+    assert dm["num_layers"] == 1 and dm["kv"]["shape"] == [2, 1, 97, 16] and man["depths"] == [K]
+    assert {g["name"] for g in man["graphs"]} == {
+        "verify_k3", "verify_k3_sample", "draft_q2", "draft_q2_sample", "draft_q1", "draft_q1_sample",
+        "prefill_c16", "draft_prefill_c16"}
+    g = ex.generator()
+    gen = torch.Generator().manual_seed(1)
+    dpast, dpresent = dm["kv"]["past"], dm["kv"]["present"]
+    for Q in (2, 1):
+        for sample in (False, True):
+            kv = random_cache(dpast, dm["kv"]["shape"], gen)
+            tokens, last = torch.randint(0, V, (B, Q), generator=gen), torch.tensor([12, 40])
+            active = torch.tensor([True, True])
+            feeds = dict(tokens=tokens, last=last, active=active, **dict(zip(dpast, kv)))
+            ref_kv = [t.clone() for t in kv]
+            if sample:
+                temp = 0.7
+                expo = -torch.log(torch.rand(B, V, generator=gen).clamp_min(1e-38))
+                out = g.run(f"draft_q{Q}_sample", {**feeds, "expo": expo, "temperature": torch.full((B,), temp)})
+                tok, q = fast._draft_fn(B, Q, SamplingParams(temp), S)(tokens, last, active, expo, *ref_kv)
+                assert (torch.from_numpy(out["q"]) - q).abs().max() < 1e-4
+            else:
+                out = g.run(f"draft_q{Q}", feeds)
+                tok, logits = fast._draft_fn(B, Q, SamplingParams(0.0), S)(tokens, last, active, torch.ones(B, 1), *ref_kv)
+                assert (torch.from_numpy(out["logits"]) - logits).abs().max() < 1e-4
+            assert torch.equal(torch.from_numpy(out["token"]), tok), (Q, sample)
+            assert_caches_close(out, dpresent, ref_kv, S - 1)
+
+    past, present = man["kv"]["past"], man["kv"]["present"]
+    fn = fast._round_fn(B, SamplingParams(1.0), S, K)
+    seen = set()
+    for trial in range(12):
+        kv = random_cache(past, man["kv"]["shape"], gen)
+        root, L, active = torch.randint(0, V, (B,), generator=gen), torch.tensor([20, 50]), torch.tensor([True, True])
+        q = torch.softmax(3 * torch.randn(B, K, V, generator=gen), dim=-1)  # the draft's rows: peaked, not one-hot
+        # drafts drawn from q (as the draft graph draws them), so q(draft) is large and rejections happen
+        drafts = (q / -torch.log(torch.rand(B, K, V, generator=gen).clamp_min(1e-38))).argmax(-1)
+        accept_u = torch.rand(B, K, generator=gen) * [1.0, 0.3, 0.05][trial % 3]
+        expo = -torch.log(torch.rand(B, K + 1, V, generator=gen).clamp_min(1e-38))
+        temp = torch.full((B,), [1.0, 0.6][trial % 2])
+        out = g.run("verify_k3_sample", dict(root=root, L=L, active=active, drafts=drafts, draft_probs=q,
+                                             accept_u=accept_u, expo=expo, temperature=temp, **dict(zip(past, kv))))
+        ref_kv = [t.clone() for t in kv]
+        tok, n = fn(root, L, active, accept_u, expo, drafts, q, temp, *ref_kv)
+        assert torch.equal(torch.from_numpy(out["tokens"]), tok) and torch.equal(torch.from_numpy(out["num_emitted"]), n)
+        logits = torch.from_numpy(out["logits"])
+        want, _ = verify_chain_with_noise(logits / temp.view(-1, 1, 1), q, drafts, (accept_u, expo), 1.0)
+        assert torch.equal(want, tok), trial
+        assert_caches_close(out, present, ref_kv, S - 1)
+        seen.update(n.tolist())
+    assert len(seen) >= 3, seen
+
+
+# ----------------------------------------------------------------------------------------------
+# trees and draft models: generation
+
+
+def check_greedy(ex, rows_list):
+    """ORT == fast.generate == model.generate for each batch; the same rounds and draft counts."""
+    g = ex.generator()
+    accepted = 0
+    for rows in rows_list:
+        ids, mask = left_pad(rows)
+        ref = ex.model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=PAD)
+        out = g.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+        fast = ex.fast.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+        assert torch.equal(out, ref), (out[:, ids.shape[1]:], ref[:, ids.shape[1]:])
+        assert torch.equal(fast, ref)
+        assert (g.stats.rounds, g.stats.drafted, g.stats.accepted) == (ex.fast.stats.rounds, ex.fast.stats.drafted,
+                                                                       ex.fast.stats.accepted), (g.stats, ex.fast.stats)
+        accepted += g.stats.accepted
+    return g, accepted
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("which", ["ngram_tree", "suffix_tree", "suffix_chain"])
+def test_tree_and_suffix_greedy_equals_hf_generate_and_torch_path(which, request):
+    ex = request.getfixturevalue(which)
+    g, accepted = check_greedy(ex, [ROWS_2, ROWS_2[:1], [ROWS_2[1]]])
+    assert accepted > 0  # drafts were accepted (trees: compacted paths were exercised end to end)
+    if which == "suffix_chain":
+        assert ex.manifest["depths"] == [0, 4] and ex.manifest["tree"] is None
+        assert g.suffix_index.global_tokens == ex.fast.suffix_index.global_tokens > 0
+    if which == "suffix_tree":
+        # finished requests went into the generator's own index, as into the compiled object's
+        assert g.suffix_index.global_tokens == ex.fast.suffix_index.global_tokens > 0
+        shapes = {tuple(s) for s in ex.manifest["tree"]["shapes"]}
+        assert shapes == {(5, 4, 4), (17, 4, 4)}
+
+
+@torch.no_grad()
+def test_suffix_tree_drafts_repeated_request_from_the_index(suffix_tree):
+    """A request repeated on the same generator is drafted from its index of finished requests:
+    far fewer rounds the second time, same output (as test_compile's suffix test for the torch path)."""
+    ids = torch.tensor([repeated([3, 77, 41, 8, 120, 9, 66], 12)])
+    g = suffix_tree.generator()
+    first = g.generate(ids, max_new_tokens=24, pad_token_id=PAD)
+    rounds_first = g.stats.rounds
+    second = g.generate(ids, max_new_tokens=24, pad_token_id=PAD)
+    ref = suffix_tree.model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+    assert g.stats.rounds <= 6 < rounds_first, (rounds_first, g.stats)
+    assert g.suffix_index.global_tokens == 2 * ref.shape[1]
+
+
+@torch.no_grad()
+def test_draft_model_greedy_equals_hf_generate_and_torch_path(draft_chain):
+    check_greedy(draft_chain, [ROWS_2, ROWS_2[:1]])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("which", ["ngram_tree", "draft_chain"])
+def test_sampled_tree_and_draft_generation_equal_torch_path(which, request):
+    """Same seed, same draws in the same order (draft Exp(1) rows, then chain or tree noise): the
+    ONNX generator emits exactly what the compiled torch path emits; acceptances and rejections
+    both happen."""
+    ex = request.getfixturevalue(which)
+    ids, mask = left_pad(ROWS_2)
+    g = ex.generator()
+    drafted = accepted = 0
+    for seed, temp in ((7, 0.8), (8, 0.3)):
+        kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, temperature=temp, pad_token_id=PAD)
+        a = g.generate(ids, generator=torch.Generator().manual_seed(seed), **kw)
+        t = ex.fast.generate(ids, generator=torch.Generator().manual_seed(seed), **kw)
+        assert torch.equal(a, t), (seed, a[:, ids.shape[1]:], t[:, ids.shape[1]:])
+        assert (g.stats.rounds, g.stats.accepted) == (ex.fast.stats.rounds, ex.fast.stats.accepted)
+        drafted += g.stats.drafted
+        accepted += g.stats.accepted
+    assert 0 < accepted < drafted, (accepted, drafted)
