@@ -201,6 +201,31 @@ class _HeadDrafter:
 # EAGLE
 
 
+def select_tree(scores, tokens, parent, depth, num_nodes: int, root):
+    """Keep the best ``num_nodes`` of M drafted candidates as a tree, on device (EAGLE-2's rerank).
+
+    scores [B, M] float64 cumulative draft log-probabilities (a child's <= its parent's), tokens
+    [B, M] long, parent [B, M] long (the parent's candidate id, -1 for the root; always smaller than
+    the child's id), depth [M] float64 (1 for the root's children; non-decreasing in the id), root
+    [B] long -> tree tokens [B, N] (column 0 = root), parents [B, N] (-1 at the root), N =
+    num_nodes + 1.
+
+    A candidate's key is its score minus ``_DEPTH_TIEBREAK`` x depth: strictly below its parent's
+    key even when q(child) rounds to 1, so the kept set is closed under ancestors. The kept ids,
+    sorted, are a topological order (parents have smaller ids), and each kept candidate's parent
+    is mapped to its node index by a scatter: no host loop, no sync."""
+    B, M = scores.shape
+    dev = scores.device
+    key = scores - _DEPTH_TIEBREAK * depth
+    chosen = key.topk(num_nodes, dim=1).indices.sort(dim=1).values  # [B, n] candidate ids, topological
+    node_of = torch.full((B, M), -1, dtype=torch.long, device=dev).scatter(
+        1, chosen, torch.arange(1, num_nodes + 1, device=dev).expand(B, num_nodes))  # candidate -> node
+    pc = parent.gather(1, chosen)
+    parents = torch.where(pc < 0, 0, node_of.gather(1, pc.clamp_min(0)))
+    parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), parents], dim=1)
+    return torch.cat([root.unsqueeze(1), tokens.gather(1, chosen)], dim=1), parents
+
+
 class EagleDrafter(_HeadDrafter):
     def __init__(self, sg, head):
         super().__init__(sg, head)
@@ -363,10 +388,8 @@ class EagleDrafter(_HeadDrafter):
 
     def _dynamic_tree_fn(self, B):
         """EAGLE-2 style: expand the top-k children of the k best nodes of each depth (by cumulative
-        draft log-probability), then keep the best N - 1 of all candidates. A child's key is its
-        parent's minus -log q(child) minus a depth tie-break, strictly below the parent's, so the
-        kept set is closed under ancestors; sorting the kept candidates by id (ids grow with depth)
-        gives a topological order, and ``parents`` is built by a scatter: no host loop, no sync."""
+        draft log-probability), then keep the best N - 1 of all candidates (:func:`select_tree`).
+        Candidate ids grow with depth (the root's k children first, then k^2 per depth)."""
         key = ("eagle_dyn_tree", B)
         fns = self.sg._fns
         if key not in fns:
@@ -374,7 +397,6 @@ class EagleDrafter(_HeadDrafter):
 
             S, head, k, D = self.slots, self.head, self.topk, self.sg.k
             Nd = self.tree_nodes - 1
-            M = self.candidates
             rows = 1 + (D - 1) * k  # head rows: the root's (feed step) + k per expanded depth
             depth = torch.cat([torch.ones(k)] + [torch.full((k * k,), d + 1.0) for d in range(1, D)]).double()
 
@@ -416,16 +438,8 @@ class EagleDrafter(_HeadDrafter):
                     par.append((offset + sel).unsqueeze(2).expand(B, k, k).reshape(B, k * k))
                     prow = (r0 + torch.arange(k, device=dev)).view(1, k, 1).expand(B, k, k).reshape(B, k * k)
                     offset += scores[-2].shape[1]
-                all_score = torch.cat(scores, dim=1) - _DEPTH_TIEBREAK * depth.to(dev)  # [B, M]
-                all_tok, all_par = torch.cat(toks, dim=1), torch.cat(par, dim=1)
-                chosen = all_score.topk(Nd, dim=1).indices.sort(dim=1).values  # [B, Nd] topological
-                node_of = torch.full((B, M), -1, dtype=torch.long, device=dev).scatter(
-                    1, chosen, torch.arange(1, Nd + 1, device=dev).expand(B, Nd))
-                pc = all_par.gather(1, chosen)
-                parents = torch.where(pc < 0, 0, node_of.gather(1, pc.clamp_min(0)))
-                parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), parents], dim=1)
-                tokens = torch.cat([root.unsqueeze(1), all_tok.gather(1, chosen)], dim=1)
-                return tokens, parents
+                return select_tree(torch.cat(scores, dim=1), torch.cat(toks, dim=1), torch.cat(par, dim=1),
+                                   depth.to(dev), Nd, root)
 
             fns[key] = self.sg._compiled("eagle_dyn_tree", eagle_dyn_tree_fn)
         return fns[key]
