@@ -140,9 +140,11 @@ def main(argv=None) -> int:
                     rows.append({"workload": wname, "setting": sname, "method": name, "tokens_per_s": med,
                                  "ratio_vs_hf_plain": med / base, "emitted_per_round": per_round[name],
                                  "greedy_equal_hf": equal, "runs": tps[name]})
+                    ngram = statistics.median(tps[f"specgraph_ngram_k{args.k}"])
+                    rows[-1]["ratio_vs_specgraph_ngram"] = med / ngram
                     em = "-" if per_round[name] is None else f"{per_round[name]:.2f}"
-                    print(f"{wname:<10} {sname:<6} {name:<28} {med:7.1f} tok/s {med / base:6.2f}x  emitted/round {em:>5}"
-                          f"  equal={equal}", flush=True)
+                    print(f"{wname:<10} {sname:<6} {name:<28} {med:7.1f} tok/s {med / base:6.2f}x HF plain "
+                          f"{med / ngram:5.2f}x sg ngram  emitted/round {em:>5}  equal={equal}", flush=True)
     meta = {"torch": torch.__version__, "max_new_tokens": N, "runs": args.runs, "k": args.k,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "calls": {w: len(c) for w, c in workloads.items()}}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
