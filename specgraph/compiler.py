@@ -243,6 +243,20 @@ def pack_suffix_trees(sessions, B: int, k: int, active: list[bool], min_score: f
     return tokens, parents, (N, C, min(k, n)), drafted
 
 
+def suffix_chain_drafts(chains: list[list[int]], ladder: list[int], root, active: list[bool]):
+    """Suffix chains (:func:`suffix_chains`) as one round's drafts: (k, drafts [B, k]) in the
+    smallest ladder depth that holds the longest live chain, or None when no live row has one (then
+    a plain step). Short rows are padded with repeats of the root (just rejected). root [B] long."""
+    live = [len(c) for c, a in zip(chains, active) if a]
+    if not any(live):
+        return None
+    k = chain_depth(ladder, max(live))
+    drafts = root.unsqueeze(1).repeat(1, k).cpu()
+    for b, c in enumerate(chains):
+        if c:
+            drafts[b, : len(c)] = torch.tensor(c[:k])
+    return k, drafts.to(root.device)
+
 def eos_and_pad(eos_token_id, pad_token_id, default_eos, default_pad) -> tuple[list[int], int]:
     """HF's defaults: EOS ids from the argument or the generation config; pad from the argument,
     the config, else the first EOS id, else 0."""
@@ -709,15 +723,9 @@ class SpecGraphModel:
             if bool((matched * active).any()):  # host sync: which graph runs depends on it
                 return k, drafts, None
         if self.draft == "suffix":  # the best path of the suffix tree as a chain, in the smallest depth that holds it
-            chains = suffix_chains(self._sessions, self.k)
-            live = [len(c) for c, a in zip(chains, active.tolist()) if a]
-            if any(live):
-                k = chain_depth(self.k_ladder, max(live))
-                drafts = root.unsqueeze(1).repeat(1, k).cpu()  # padding: repeats of the root, just rejected
-                for b, c in enumerate(chains):
-                    if c:
-                        drafts[b, : len(c)] = torch.tensor(c[:k])
-                return k, drafts.to(root.device), None
+            out = suffix_chain_drafts(suffix_chains(self._sessions, self.k), self.k_ladder, root, active.tolist())
+            if out is not None:
+                return (*out, None)
         return 0, hist[:, :0], None
 
     def _propose_tree(self, B, width, hist, L, root, active):

@@ -8,12 +8,13 @@ host sync per round) and advances the committed lengths:
 
 * chains (``draft=None``, ``"ngram"``, ``"suffix"`` with ``tree=None``): prompt lookup
   (:func:`specgraph.drafters.ngram_propose`) or the suffix index's best path
-  (:func:`specgraph.compiler.propose_suffix_chain`); ``verify_k{k}`` when some live row has a
-  proposal, else the plain ``verify_k0`` step; k moves along the compiler's depth ladder
-  (:func:`specgraph.compiler.next_k`, e.g. 4 -> 8 after a fully accepted round).
+  (:func:`specgraph.compiler.suffix_chains`, :func:`specgraph.compiler.suffix_chain_drafts`);
+  ``verify_k{k}`` when some live row has a proposal, else the plain ``verify_k0`` step; prompt
+  lookup moves k along the compiler's depth ladder (:func:`specgraph.compiler.next_k`, e.g. 4 -> 8
+  after a fully accepted round), suffix chains take the smallest exported depth that holds them.
 * trees: prompt-lookup tries on the static tree (:func:`specgraph.compiler.propose_ngram_tree`) or
   per-request suffix trees packed into the smallest exported shape
-  (:func:`specgraph.compiler.propose_suffix_tree`); ``tree_n{N}_c{C}_d{D}`` verifies the tree and
+  (:func:`specgraph.compiler.pack_suffix_trees`); ``tree_n{N}_c{C}_d{D}`` verifies the tree and
   compacts the accepted path's K/V in the graph; the plain step when nothing was proposed.
 * a draft model: K ``draft_q{Q}`` steps (Q = 2 for the first, feeding the previous token and the
   root, then 1) on the draft's own cache, then ``verify_k{K}`` with the drafts and, when sampling,
@@ -43,8 +44,8 @@ import numpy as np
 import torch
 
 from specgraph.compiler import (
-    SUFFIX_MIN_SCORE, assemble_output, chain_depth, eos_and_pad, keep_until_eos, next_k, pack_suffix_trees, prompt_rows,
-    propose_ngram_tree, suffix_chains,
+    SUFFIX_MIN_SCORE, assemble_output, eos_and_pad, keep_until_eos, next_k, pack_suffix_trees, prompt_rows,
+    propose_ngram_tree, suffix_chain_drafts, suffix_chains,
 )
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats
@@ -311,18 +312,15 @@ class OnnxSpecGenerator:
         proposal; without one the compiler takes a plain step). The compiler's rules
         (SpecGraphModel._propose): prompt lookup drafts k_now tokens (the depth ladder), suffix
         decoding the best path of each row's suffix tree in the smallest ladder depth that holds
-        the longest; short or missing drafts are padded with the root (just rejected)."""
+        the longest (:func:`specgraph.compiler.suffix_chain_drafts`)."""
         if self.draft == "ngram":
             d, matched = ngram_propose(hist, L + 1, k_now, self.manifest["ngram"]["max"], self.manifest["ngram"]["min"])
             return k_now, d, bool((matched * active).any())
         chains = suffix_chains(sessions, self.num_speculative_tokens, self._suffix_min_score)
-        live = [len(c) for c, a in zip(chains, active.tolist()) if a]
-        k = chain_depth(ladder, max(live, default=0))
-        drafts = root.unsqueeze(1).repeat(1, k)
-        for b, c in enumerate(chains):
-            if c:
-                drafts[b, : len(c)] = torch.tensor(c[:k])
-        return k, drafts, any(live)
+        out = suffix_chain_drafts(chains, ladder, root, active.tolist())
+        if out is None:  # only used without a plain graph: the smallest depth, all root repeats (rejected)
+            return ladder[0], root.unsqueeze(1).repeat(1, ladder[0]), False
+        return (*out, True)
 
     def _propose_tree(self, hist, L, root, active, sessions):
         """(tree_tokens [B, N], parents [B, N], shape (N, C, D), drafted nodes per row) or None."""
