@@ -86,6 +86,19 @@ def test_greedy_equals_hf_generate(kind, monkeypatch):
     assert_same(model, ids, mask, ref_eos, sg_generate(fast, ids, mask, eos_token_id=eos), f"{kind} eos={eos}")
 
 
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_heads_on_every_architecture(arch):
+    """The heads' feature flow does not depend on the architecture (final features of GPT-2, OPT,
+    Gemma, ... are post-norm like Llama's): EAGLE dynamic trees and Medusa trees stay exact."""
+    model = tiny_model(arch)
+    ids, mask = left_pad(PROMPTS_3)
+    ref = hf_generate(model, ids, mask, max_new_tokens=10)
+    for kind, tree in (("eagle", "dynamic"), ("medusa", TREE)):
+        fast = specgraph.compile(model, random_head(model, kind), num_speculative_tokens=3, tree=tree, backend="eager",
+                                 max_batch_size=4, max_seq_len=MAX_SEQ)
+        assert_same(model, ids, mask, ref, sg_generate(fast, ids, mask, max_new_tokens=10), f"{arch} {kind}")
+
+
 def test_inductor_eagle_chain():
     """The head's chain proposal and the feature-returning round compiled by Inductor (one config:
     each compiled graph costs ~20 s on this CPU; the tree forms compile too, checked by hand)."""
