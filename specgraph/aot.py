@@ -354,8 +354,9 @@ def compile_dir(
     ``out_dir/manifest.json``, last, so a directory without one is an unfinished compile).
 
     Args:
-        draft: None (plain decoding), ``"ngram"`` (prompt lookup) or ``"suffix"``; draft models are
-            not supported (their proposal graphs and weights would need packaging too).
+        draft: None (plain decoding), ``"ngram"`` (prompt lookup), ``"suffix"``, or a smaller draft
+            model (chains; ``formats=("onnx",)`` only: its step graphs and weights are in the ONNX
+            graphs, AOT packages of draft steps are not written yet).
         num_speculative_tokens: K, as in :func:`specgraph.compile`; ignored when ``depths`` is given.
         depths: chain depths of the prompt-lookup ladder (e.g. ``[2, 4, 8]``: start at 2, one rung
             up after a fully accepted round, one down after a poor one); K = max(depths). Default:
@@ -380,8 +381,13 @@ def compile_dir(
         raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {formats!r}")
     if not modes or any(m not in MODES for m in modes):
         raise ValueError(f"modes must be a non-empty subset of {MODES}, got {modes!r}")
-    if isinstance(draft, torch.nn.Module) or draft not in (None, "ngram", "suffix"):
-        raise ValueError(f"draft={draft!r} cannot be compiled ahead of time: use None, 'ngram' or 'suffix'")
+    draft_model = draft if isinstance(draft, torch.nn.Module) else None
+    if draft_model is not None and formats != ("onnx",):
+        # the ONNX graphs carry the draft's weights; AOT packages of draft steps are not written yet
+        raise ValueError("a draft model is compiled ahead of time for the ONNX format only: pass formats=('onnx',)")
+    if draft_model is None and draft not in (None, "ngram", "suffix"):
+        raise ValueError(f"draft={draft!r} cannot be compiled ahead of time: use None, 'ngram', 'suffix' or a draft model "
+                         "(ONNX format)")
     if depths is not None:
         if draft is None or tree is not None:
             raise ValueError("depths set the prompt-lookup chain ladder: they need draft='ngram' or 'suffix' and tree=None")
@@ -441,9 +447,11 @@ def compile_dir(
     if "onnx" in formats:
         from specgraph.onnx_export import export_onnx
 
-        # chains: the plain step and the ladder; trees: export_onnx's default (the tree shapes + the plain step)
+        # chains: the plain step and the ladder; trees and draft models: export_onnx's default (the
+        # tree shapes + the plain step; depth K)
         ladder = [k for k in fast.k_ladder if k > 0] if draft is not None else []
-        ox = export_onnx(fast, out / ONNX_SUBDIR, depths=None if tree is not None else sorted({0, *ladder}),
+        default = tree is not None or draft_model is not None
+        ox = export_onnx(fast, out / ONNX_SUBDIR, depths=None if default else sorted({0, *ladder}),
                          batch_size=max_batch_size,
                          modes=modes, top_k=top_k, top_p=top_p, min_p=min_p, progress=progress)
         onnx_info = {"dir": ONNX_SUBDIR, "manifest": f"{ONNX_SUBDIR}/manifest.json",
@@ -477,7 +485,9 @@ def compile_dir(
         "tokenizer": {"files": tok_files, "loader": _tokenizer_loader(tokenizer, out / MODEL_SUBDIR)} if tok_files else None,
         "generation": {"eos_token_id": gc.eos_token_id, "pad_token_id": gc.pad_token_id, "bos_token_id": gc.bos_token_id},
         "settings": {
-            "draft": draft,
+            "draft": "model" if draft_model is not None else draft,
+            "draft_model": None if draft_model is None else {
+                "class": type(draft_model).__name__, "fingerprint": model_fingerprint(draft_model)},
             "num_speculative_tokens": fast.k,
             "k_ladder": list(fast.k_ladder) if draft is not None else [],
             "tree": _tree_json(tree),

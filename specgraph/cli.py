@@ -374,6 +374,11 @@ def cmd_compile(args, formats=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     draft = None if args.draft == "none" else args.draft
+    if getattr(args, "draft_model", None) is not None:
+        if list(formats) != ["onnx"]:
+            _die("--draft-model needs --format onnx (or specgraph export-onnx): draft steps are exported as ONNX graphs")
+        if args.tree is not None or args.depths is not None:
+            _die("--draft-model drafts chains of K tokens: no --tree, no --depths")
     if args.depths is not None and (draft is None or args.tree is not None):
         _die("--depths sets the prompt-lookup chain ladder: it needs --draft ngram or suffix and no --tree")
     if args.tree is not None and draft is None:
@@ -392,12 +397,19 @@ def cmd_compile(args, formats=None) -> int:
     if out.is_dir() and any(out.iterdir()) and not args.force:
         _die(f"--out {out} is not empty (pass --force to replace a compiled directory)")
     _check_model_arg(args.model)
+    if getattr(args, "draft_model", None) is not None:
+        _check_model_arg(args.draft_model)
     print(f"loading {args.model} ...", file=sys.stderr)
     try:
         (model, tok), dt = _timed(lambda: load_model(args.model))
     except FileNotFoundError as e:
         _die(str(e))
     print(f"loaded in {dt:.1f} s", file=sys.stderr)
+    if getattr(args, "draft_model", None) is not None:
+        try:
+            draft = load_model(args.draft_model)[0]
+        except FileNotFoundError as e:
+            _die(str(e))
     man, dt = _timed(lambda: compile_dir(
         model, out, tokenizer=tok, draft=draft, num_speculative_tokens=args.num_speculative_tokens, depths=args.depths,
         tree=args.tree, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, formats=tuple(formats),
@@ -518,6 +530,8 @@ def _add_compile_flags(c, onnx_only=False):
     c.add_argument("--out", required=True, metavar="DIR", help="directory to write (must be empty unless --force)")
     c.add_argument("--draft", default="ngram", choices=["ngram", "none", "suffix"],
                    help="drafter (none = plain decoding)")
+    c.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a smaller model with the same vocabulary drafting K tokens per round (ONNX format only)")
     c.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="chain depth K (prompt-lookup ladder min(K,4) -> K); ignored with --depths")
     c.add_argument("--depths", type=_depths_arg, default=None, metavar="2,4,8",

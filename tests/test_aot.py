@@ -351,6 +351,7 @@ def test_background_weights_check_refuses_modified_weights(compiled, tmp_path):
     (["compile", "SRC", "--out", "OUT", "--draft", "none", "--depths", "2,4"], "--depths sets the prompt-lookup"),
     (["compile", "SRC", "--out", "OUT", "--tree", "[[0], [1,"], "--tree must be"),
     (["export-onnx", "SRC", "--out", "OUT", "--draft", "ngram", "--tree", "dynamic"], "--tree dynamic needs --draft suffix"),
+    (["compile", "SRC", "--out", "OUT", "--draft-model", "SRC"], "--draft-model needs --format onnx"),
     (["compile", "SRC", "--out", "DIR"], "is not empty"),
     (["compile", "SRC"], "--out"),
     (["generate", "/nonexistent/compiled/dir", "--prompt", "hi"], "neither 'default'"),
@@ -419,22 +420,25 @@ def test_tree_rounds_roundtrip(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags, graph", [
-    ([], "verify_k2"),
+@pytest.mark.parametrize("flags, graphs", [
+    ([], ["verify_k0", "verify_k2"]),
     # suffix trees: tree graphs + the plain step; a round writes up to 17 slots, hence the longer cache
-    (["--draft", "suffix", "--tree", "dynamic", "--max-seq-len", "96"], "tree_n5_c4_d2"),
+    (["--draft", "suffix", "--tree", "dynamic", "--max-seq-len", "96"], ["verify_k0", "tree_n5_c4_d2"]),
+    # the model drafting for itself (a draft model of the same vocabulary): every draft is accepted
+    (["--draft-model", "SRC"], ["verify_k2", "draft_q2", "draft_q1", "draft_prefill_c32"]),
 ])
-def test_export_onnx_dir_generates_with_onnx_runtime(src, tmp_path, flags, graph):
+def test_export_onnx_dir_generates_with_onnx_runtime(src, tmp_path, flags, graphs):
     """`specgraph export-onnx` writes a DIR whose ONNX graphs `generate --runtime onnx` runs; the
     ONNX generator's greedy output equals HF generate."""
     pytest.importorskip("onnxruntime")
     out = tmp_path / "onnx_dir"
+    flags = [str(src) if f == "SRC" else f for f in flags]
     r = cli("export-onnx", src, "--out", out, "--num-speculative-tokens", 2, "--max-seq-len", MAX_SEQ,
             "--modes", "greedy", "--quiet", *flags)
     assert r.returncode == 0, r.stderr[-3000:]
     man = json.loads((out / aot.MANIFEST).read_text())
     assert man["formats"] == ["onnx"] and man["graphs"] == [] and man["model"]["weights"] is None
-    assert graph in man["onnx"]["graphs"] and "verify_k0" in man["onnx"]["graphs"]
+    assert set(graphs) <= set(man["onnx"]["graphs"]), man["onnx"]["graphs"]
     r = cli("generate", out, "--prompt", "abcabcabcabc", "--max-new-tokens", 8)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ONNX Runtime" in r.stderr
@@ -445,6 +449,8 @@ def test_export_onnx_dir_generates_with_onnx_runtime(src, tmp_path, flags, graph
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(gen.generate(ids, max_new_tokens=20, pad_token_id=0), ref)
+    if "--draft-model" in flags:
+        assert man["settings"]["draft"] == "model" and gen.stats.accepted == gen.stats.drafted > 0
 
 
 @pytest.mark.slow
