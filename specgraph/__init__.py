@@ -8,6 +8,7 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from specgraph import perfmodel
 from specgraph.compiler import SpecGraphModel, compile
 from specgraph.onnx_export import export_onnx
+from specgraph.planner import Plan, plan
 from specgraph.trees import TreeSpec, ancestor_mask, tree_from_paths, tree_positions
 from specgraph.verify import verify_chain, verify_tree
 from specgraph.warping import SamplingParams, is_greedy, warp_logits, warped_probs
@@ -16,5 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "compile", "SpecGraphModel", "export_onnx", "verify_chain", "verify_tree", "warp_logits", "warped_probs", "is_greedy", "SamplingParams",
-    "TreeSpec", "ancestor_mask", "tree_from_paths", "tree_positions", "perfmodel", "__version__",
+    "TreeSpec", "ancestor_mask", "tree_from_paths", "tree_positions", "perfmodel", "plan", "Plan", "__version__",
 ]

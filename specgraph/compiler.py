@@ -22,7 +22,7 @@ import torch
 
 from specgraph import learned
 from specgraph.capture import Step, UnsupportedModel, capture_step, check_supported, new_kv_cache
-from specgraph.drafters import ngram_propose, ngram_tree_propose
+from specgraph.drafters import ChainDrafter, ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.suffix import SuffixIndex
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
@@ -340,6 +340,8 @@ class SpecGraphModel:
             _check_draft_model(model, draft_model)
         elif isinstance(draft, SuffixIndex):
             self.suffix_index, draft = draft, "suffix"
+        elif isinstance(draft, ChainDrafter):  # host-side chains (e.g. drafters.ReplayDrafter), verified like ngram
+            self.chain_drafter, draft = draft, "custom"
         elif draft == "suffix":
             self.suffix_index = SuffixIndex()
         elif head is None and draft not in (None, "ngram"):
@@ -369,10 +371,12 @@ class SpecGraphModel:
         else:
             self.span = 1 + max(SUFFIX_TREE_SIZES) if self.dynamic_tree else self.tree.num_nodes
         # model-free chains move between these depths (one compiled graph each), see _next_k
-        model_free = draft in ("ngram", "suffix")
+        model_free = draft in ("ngram", "suffix", "custom")
         self.k_ladder = sorted({min(self.k, NGRAM_START_K), self.k}) if model_free else [self.k]
         self._lock = threading.RLock()  # one generate at a time per object (shared KV caches)
         self._sessions = None
+        # chooses each round's chain depth when set (num_speculative_tokens="auto": specgraph.adaptive)
+        self.policy = None
         self.backend = backend
         self.freeze = bool(freeze)
         self.max_batch_size = max_batch_size
@@ -410,6 +414,8 @@ class SpecGraphModel:
             return None, None
         if draft is None:
             raise ValueError("tree= needs a draft ('ngram' or a draft model): plain decoding has nothing to branch on")
+        if draft == "custom":
+            raise ValueError("a ChainDrafter proposes chains: use tree=None")
         if isinstance(tree, str):
             if tree == "dynamic":
                 if draft in ("suffix", "eagle"):
@@ -456,7 +462,7 @@ class SpecGraphModel:
     def set_depths(self, depths) -> None:
         """The chain depths model-free drafters move between (one compiled graph each): they start
         at the smallest, climb after a fully accepted round and step down after a poor one."""
-        if self.draft not in ("ngram", "suffix") or self.tree is not None:
+        if self.draft not in ("ngram", "suffix", "custom") or self.tree is not None:
             raise ValueError("depths apply to model-free chains: draft='ngram' or 'suffix' with tree=None")
         try:
             ladder = sorted({int(d) for d in depths})
@@ -714,16 +720,26 @@ class SpecGraphModel:
         ``NGRAM_MIN`` tokens; otherwise the round is a plain step (k = 0), so text without
         repetition costs what plain decoding costs.
         """
+        if k == 0:  # a plain step (what "auto" chooses when speculation would not pay)
+            return 0, hist[:, :0], None
         if self.learned is not None:
             return (self.k, *self.learned.propose_chain(B, params, generator, L, root, active))
         if self.draft == "model":
-            return (self.k, *self._propose_with_draft_model(B, params, width, hist, L, root, active, generator, V))
+            k = k if self.policy is not None else self.k
+            return (k, *self._propose_with_draft_model(B, params, width, hist, L, root, active, generator, V, k))
+        if self.draft == "custom":
+            drafts = self.chain_drafter.propose(hist, L, k, active)
+            if drafts is not None:
+                return k, drafts, None
         if self.draft == "ngram":
             drafts, matched = ngram_propose(hist, L + 1, k, NGRAM_MAX, NGRAM_MIN)
             if bool((matched * active).any()):  # host sync: which graph runs depends on it
                 return k, drafts, None
         if self.draft == "suffix":  # the best path of the suffix tree as a chain, in the smallest depth that holds it
-            out = suffix_chain_drafts(suffix_chains(self._sessions, self.k), self.k_ladder, root, active.tolist())
+            # under a policy the round's depth k caps the chain; the ladder's depths below it hold shorter ones
+            kmax, ladder = (k, sorted({d for d in self.k_ladder if d <= k} | {k})) if self.policy is not None \
+                else (self.k, self.k_ladder)
+            out = suffix_chain_drafts(suffix_chains(self._sessions, kmax), ladder, root, active.tolist())
             if out is not None:
                 return (*out, None)
         return 0, hist[:, :0], None
@@ -767,14 +783,14 @@ class SpecGraphModel:
     def _next_k(self, k, n_live) -> int:
         return next_k(self.k_ladder, self._k_now, k, n_live)
 
-    def _propose_with_draft_model(self, B, params, width, hist, L, root, active, generator, V):
-        """K draft-model steps; returns drafts [B, K] and the q rows they were drawn from [B, K, V]."""
+    def _propose_with_draft_model(self, B, params, width, hist, L, root, active, generator, V, k):
+        """k draft-model steps; returns drafts [B, k] and the q rows they were drawn from [B, k, V]."""
         device = hist.device
         kv = self._cache(B, "draft")
         prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
         tokens, last = torch.stack([prev, root], dim=1), L
         drafts, probs = [], []
-        for j in range(self.k):
+        for j in range(k):
             expo = _race_noise(B, V, device, generator, params.greedy)
             fn = self._draft_fn(B, 2 if j == 0 else 1, params, width)
             tok, q = fn(tokens, last, active, expo, *kv)
@@ -900,6 +916,10 @@ class SpecGraphModel:
         V = self.model.get_output_embeddings().weight.shape[0]
         L_host = [n - 1 for n in lens]
         self._k_now = self.k_ladder[0]
+        if self.draft == "custom":
+            self.chain_drafter.start(rows, B, device)
+        if self.policy is not None:
+            self.policy.start(self, rows, B, device)
         temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
         while not all(done):
             need = max(L_host[b] for b in range(B) if not done[b]) + self.span
@@ -911,6 +931,8 @@ class SpecGraphModel:
                 k, depth = tree[3], tree[2][2]  # drafted nodes per row, depth
             else:
                 if self.tree is None:
+                    if self.policy is not None:  # the depth of this round, for the whole batch
+                        self._k_now = self.policy.choose(done, L_host, hist)
                     k, drafts, draft_probs = self._propose(B, params, width, hist, L, root, active, generator, V, self._k_now)
                 else:  # tree mode and prompt lookup found nothing: a plain step
                     k, drafts, draft_probs = 0, hist[:, :0], None
@@ -927,7 +949,9 @@ class SpecGraphModel:
                 self.learned.observe(L, tokens, n, hidden[0])
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
             self.stats.rounds += 1
-            if not isinstance(k, list):
+            if self.policy is not None:  # per-row acceptance estimates, from the counts just read
+                self.policy.observe(k, n_h, done, L_host)
+            elif not isinstance(k, list):
                 self._k_now = self._next_k(k, [n_h[b] for b in range(n_rows) if not done[b]])
             for b in range(n_rows):
                 if done[b]:
@@ -1011,6 +1035,7 @@ def compile(
     max_seq_len: int = 2048,
     freeze: bool = True,
     depths=None,
+    plan=None,
 ) -> SpecGraphModel:
     """Compile ``model`` (an HF causal LM in eval mode) for speculative generation.
 
@@ -1029,8 +1054,29 @@ def compile(
 
     ``depths``: for model-free chains (``"ngram"``, ``"suffix"``), the depths to move between
     (default: ``min(K, 4)`` and ``K``); the largest replaces ``num_speculative_tokens``.
+
+    ``num_speculative_tokens="auto"`` (chains: ``"ngram"``, ``"suffix"``, a draft model, a
+    :class:`specgraph.drafters.ChainDrafter`): each round's depth is chosen for the whole batch among
+    0 (a plain step) and ``depths`` (default: those ``plan`` recommends, else 2, 4, 8) from per-row
+    acceptance estimates and a cost model: ``plan`` (a :class:`specgraph.planner.Plan` or the path
+    of its JSON, from :func:`specgraph.plan` / ``specgraph plan``) or a conservative built-in curve.
+    See :mod:`specgraph.adaptive`; ``fast.policy.trace`` lists the depth of each round.
     """
+    auto = isinstance(num_speculative_tokens, str)
+    if auto:
+        from specgraph import adaptive
+        from specgraph.planner import as_plan
+
+        if num_speculative_tokens != "auto":
+            raise ValueError(f"num_speculative_tokens must be a positive int or 'auto', got {num_speculative_tokens!r}")
+        plan = as_plan(plan)
+        depths = adaptive.auto_depths(depths, plan)
+        num_speculative_tokens = max(depths)
+    elif plan is not None:
+        raise ValueError("plan= is read by num_speculative_tokens='auto'")
     fast = SpecGraphModel(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze)
-    if depths is not None:
+    if auto:
+        adaptive.enable_auto(fast, depths, plan)
+    elif depths is not None:
         fast.set_depths(depths)
     return fast

@@ -214,3 +214,91 @@ def layer_skip(model, num_layers: int | None = None):
     except Exception:  # noqa: BLE001
         pass
     return root
+
+
+# ----------------------------------------------------------------------------------------------
+# host-side chain drafters (a protocol), and the replay drafter for benchmarks
+
+
+class ChainDrafter:
+    """A drafter object for ``specgraph.compile(model, draft=obj)`` that proposes chains: the
+    compiled round verifies them like prompt-lookup drafts (deterministic proposals: the output law
+    stays the target's). Subclasses implement :meth:`start` (once per ``generate`` call) and
+    :meth:`propose` (once per round, with tensor ops on the history's device so a round needs no
+    extra host sync)."""
+
+    def start(self, rows: list[list[int]], batch: int, device) -> None:
+        """A new ``generate`` call: ``rows`` are the unpadded prompts (``batch`` >= len(rows) rows are
+        compiled; the extra rows are inactive)."""
+
+    def propose(self, hist: torch.Tensor, L: torch.Tensor, k: int, active: torch.Tensor) -> torch.Tensor | None:
+        """Drafts [B, k] long for the positions after each row's root, or None for no drafts this
+        round (a plain step). hist [B, S] long holds positions 0..L[b] of row b (L[b] = the root),
+        active [B] bool."""
+        raise NotImplementedError
+
+
+class ReplayDrafter(ChainDrafter):
+    """Benchmark drafter with a set acceptance rate β: it proposes the target's own greedy
+    continuation of each prompt (computed once, e.g. by :meth:`from_model` with HF ``generate``),
+    each token corrupted into a different one with probability 1 - β. Under greedy decoding a draft
+    is accepted exactly when it is uncorrupted and all before it were, so acceptance per position is
+    i.i.d. β whatever the depth: the corruption of position t of row b is drawn once per ``generate``
+    call (seeded: ``seed`` and the row index) and does not depend on which rounds draft it.
+
+    ``continuations``: {prompt token tuple: greedy continuation token list}. Prompts must be known;
+    past the end of a continuation the drafts repeat the root (rejected)."""
+
+    def __init__(self, continuations, beta: float, vocab_size: int, seed: int = 0):
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {beta}")
+        if vocab_size < 2:
+            raise ValueError("a replay drafter needs a vocabulary of at least 2 tokens to corrupt a draft")
+        self.continuations = {tuple(int(t) for t in p): [int(t) for t in c] for p, c in dict(continuations).items()}
+        self.beta, self.vocab_size, self.seed = float(beta), int(vocab_size), int(seed)
+        self._cont = self._plen = None
+
+    @classmethod
+    @torch.no_grad()
+    def from_model(cls, model, prompts, max_new_tokens: int, beta: float, seed: int = 0, eos_token_id=None):
+        """Greedy continuations of ``prompts`` (lists of token ids) by ``model.generate``, one prompt
+        at a time (no padding), ``max_new_tokens`` each; EOS as ``model.generate`` defaults unless
+        given (``[]`` disables it)."""
+        device = next(model.parameters()).device
+        kw = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
+        pad = model.generation_config.pad_token_id
+        pad = pad if pad is not None else 0
+        conts = {}
+        for p in prompts:
+            ids = torch.tensor([list(p)], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad, **kw)
+            conts[tuple(int(t) for t in p)] = out[0, ids.shape[1]:].tolist()
+        V = model.get_output_embeddings().weight.shape[0]
+        return cls(conts, beta, V, seed)
+
+    def start(self, rows, batch, device) -> None:
+        missing = [b for b, r in enumerate(rows) if tuple(r) not in self.continuations]
+        if missing:
+            raise ValueError(f"ReplayDrafter has no continuation for the prompt of row(s) {missing}: build it with "
+                             "ReplayDrafter.from_model(model, prompts, ...) over the prompts you generate from")
+        T = max(len(self.continuations[tuple(r)]) for r in rows) + 1
+        cont = torch.full((batch, T), -1, dtype=torch.long)
+        plen = torch.ones(batch, dtype=torch.long)
+        for b, r in enumerate(rows):
+            c = self.continuations[tuple(r)]
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + b)
+            true = torch.tensor(c, dtype=torch.long)
+            bad = torch.rand(len(c), generator=g) >= self.beta  # P(corrupt) = 1 - β; β = 1: never
+            other = (true + 1 + torch.randint(0, self.vocab_size - 1, (len(c),), generator=g)) % self.vocab_size
+            cont[b, : len(c)] = torch.where(bad, other, true)
+            plen[b] = len(r)
+        self._cont, self._plen = cont.to(device), plen.to(device)
+
+    def propose(self, hist, L, k, active):
+        # continuation index of position L + 1 + j is L + 1 - prompt_len + j
+        idx = (L + 1 - self._plen).unsqueeze(1) + torch.arange(k, device=L.device)  # [B, k]
+        T = self._cont.shape[1]
+        tok = self._cont.gather(1, idx.clamp(0, T - 1))
+        root = hist.gather(1, L.unsqueeze(1))  # [B, 1]
+        return torch.where((idx < T) & (tok >= 0), tok, root)

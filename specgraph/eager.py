@@ -27,6 +27,11 @@ class GenerationStats:
     emitted: int = 0
     seconds: float = 0.0
     accepted_at: list = field(default_factory=list)  # accepted_at[j]: rounds whose draft j was accepted
+    # drafted_at[j]: row-rounds that drafted position j (accepted_at / drafted_at = survival at j + 1,
+    # what the planner's acceptance profile reads: rounds at other depths or without drafts would
+    # otherwise dilute it)
+    drafted_at: list = field(default_factory=list)
+    row_rounds: int = 0  # rounds x live rows (drafted or not)
 
     @property
     def mean_emitted(self) -> float:
@@ -41,6 +46,12 @@ class GenerationStats:
         of them used (fewer at EOS or max_new_tokens); ``depth`` = the tree's depth (default k, a
         chain). ``rounds`` is counted by the caller, once per round."""
         self.drafted += k
+        self.row_rounds += 1
+        reach = (k if depth is None else depth) if k > 0 else 0
+        while len(self.drafted_at) < reach:
+            self.drafted_at.append(0)
+        for j in range(reach):
+            self.drafted_at[j] += 1
         n_acc = n_emitted - 1
         self.accepted += n_acc
         self.emitted += kept
@@ -58,6 +69,7 @@ class GenerationStats:
             "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "emitted": self.emitted,
             "mean_emitted_per_round": self.mean_emitted, "tokens_per_s": self.tokens_per_s,
             "acceptance_per_position": [a / max(self.rounds, 1) for a in self.accepted_at],
+            "survival_per_position": [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
         }
 
 

@@ -105,3 +105,280 @@ def speedup_table(betas: Sequence[float], gammas: Sequence[int], c: float) -> li
         for b in betas
         for g in gammas
     ]
+
+
+# ----------------------------------------------------------------------------------------------
+# measured costs (issue 6): the planner and num_speculative_tokens="auto"
+#
+# The closed form above assumes verifying γ+1 tokens costs one step. That holds only while a step
+# is memory-bound; with a batch of B rows a round processes B(γ+1) tokens and soon costs more. The
+# objects below carry measured (or conservatively assumed) costs instead:
+#
+# * a *cost curve* t(N, B): seconds of one target round over N query tokens per row at batch B;
+# * the *draft cost*: seconds per drafted token (a draft-model step; c = t_draft / t(1, B)) and per
+#   round (the proposal's fixed part);
+# * an *acceptance profile*: survival s_j = P(the first j drafts of a row are all accepted | the row
+#   drafted), plus the rate at which rows draft at all (prompt lookup can find nothing).
+#
+# Expected speedup of depth γ at batch B over plain decoding (rows i.i.d., each drafting with
+# probability p; the round runs at depth γ when any row drafted, probability P_B = 1 - (1-p)^B):
+#
+#     S(γ, B) = E[emitted](γ) T(0, B) / (P_B T(γ, B) + (1 - P_B) T(0, B)),
+#     T(γ, B) = t(γ+1, B) + o(B) + [γ > 0] (d_round(B) + γ t_draft(B)),
+#     E[emitted](γ) = 1 + p Σ_{j<=γ} s_j
+#
+# (o: the loop's host time per round) which for p = 1, o = d_round = 0 and s_j = β^j is
+# E[N](β, γ) t(1, B) / (t(γ+1, B) + γ c t(1, B)).
+
+
+def _pava(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """Non-decreasing least-squares fit (pool adjacent violators): a round over more query tokens
+    never costs less, so a dip in the measurements is noise, not a feature to interpolate."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for v, w in zip(values, weights):
+        blocks.append([float(v), float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    out: list[float] = []
+    for m, _, n in blocks:
+        out.extend([m] * n)
+    return out
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys) (xs increasing); the end segments extend linearly
+    (a single point: constant), never below zero."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]  # x below xs[0] or above xs[-1]: the end segment
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class CostCurve:
+    """t(N, B): seconds of one target round over N query tokens per row at batch bucket B, fitted
+    from measurements. Per measured B: the median of the repeats at each N, made non-decreasing in
+    N (:func:`_pava`), then piecewise-linear in N (linear past the grid's ends). Between measured
+    batch sizes: linear in log2 B; above the largest, t grows in proportion to B (the
+    compute-bound limit, pessimistic while memory-bound); below the smallest, the smallest's."""
+
+    def __init__(self, table: dict[int, dict[int, float]]):
+        if not table:
+            raise ValueError("a cost curve needs measurements for at least one batch size")
+        self.table = {int(b): {int(n): float(t) for n, t in sorted(row.items())} for b, row in sorted(table.items())}
+        for b, row in self.table.items():
+            if b < 1 or not row or min(row) < 1 or any(t <= 0 for t in row.values()):
+                raise ValueError(f"bad cost table row for batch {b}: {row}")
+
+    @classmethod
+    def fit(cls, samples) -> "CostCurve":
+        """``samples``: iterable of (B, N, seconds), repeats allowed."""
+        import statistics
+
+        by: dict[int, dict[int, list[float]]] = {}
+        for b, n, t in samples:
+            by.setdefault(int(b), {}).setdefault(int(n), []).append(float(t))
+        table = {}
+        for b, row in by.items():
+            ns = sorted(row)
+            med = [statistics.median(row[n]) for n in ns]
+            table[b] = dict(zip(ns, _pava(med, [len(row[n]) for n in ns])))
+        return cls(table)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return list(self.table)
+
+    def _at(self, b: int, n: float) -> float:
+        row = self.table[b]
+        return _interp(list(row), list(row.values()), n)
+
+    def __call__(self, n: float, b: int = 1) -> float:
+        if n < 1 or b < 1:
+            raise ValueError(f"need N >= 1 and B >= 1, got N={n}, B={b}")
+        bs = self.batch_sizes
+        if b in self.table:
+            return self._at(b, n)
+        if b < bs[0]:
+            return self._at(bs[0], n)
+        if b > bs[-1]:
+            return self._at(bs[-1], n) * b / bs[-1]
+        hi = next(x for x in bs if x > b)
+        lo = max(x for x in bs if x < b)
+        w = (math.log2(b) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        return (1 - w) * self._at(lo, n) + w * self._at(hi, n)
+
+    def to_dict(self) -> dict:
+        return {"kind": "measured", "table": {str(b): {str(n): t for n, t in row.items()} for b, row in self.table.items()}}
+
+
+class LinearCost:
+    """A built-in cost curve for when nothing was measured: t(N, B) = overhead + per_token N B (in
+    units of one weight pass). The default (per_token = 1/9 of the overhead) makes a round over 10
+    tokens cost twice a plain step at batch 1, as measured for SmolLM2 on a 2-core CPU, and keeps
+    growing with B N: conservative (a GPU is flatter), so unmeasured speculation errs towards off."""
+
+    def __init__(self, overhead: float = 1.0, per_token: float = 1.0 / 9.0):
+        if overhead <= 0 or per_token < 0:
+            raise ValueError(f"need overhead > 0 and per_token >= 0, got {overhead}, {per_token}")
+        self.overhead, self.per_token = float(overhead), float(per_token)
+
+    def __call__(self, n: float, b: int = 1) -> float:
+        if n < 1 or b < 1:
+            raise ValueError(f"need N >= 1 and B >= 1, got N={n}, B={b}")
+        return self.overhead + self.per_token * n * b
+
+    def to_dict(self) -> dict:
+        return {"kind": "linear", "overhead": self.overhead, "per_token": self.per_token}
+
+
+def cost_curve_from_dict(d: dict):
+    if d.get("kind") == "linear":
+        return LinearCost(d["overhead"], d["per_token"])
+    if d.get("kind") == "measured":
+        return CostCurve({int(b): {int(n): t for n, t in row.items()} for b, row in d["table"].items()})
+    raise ValueError(f"unknown cost curve {d.get('kind')!r}")
+
+
+def _per_batch(table: dict[int, float], b: int) -> float:
+    """A per-batch-size cost (seconds) at B: interpolated in log2 B like :class:`CostCurve`,
+    proportional to B above the largest measured size."""
+    if not table:
+        return 0.0
+    bs = sorted(table)
+    if b in table:
+        return table[b]
+    if b < bs[0]:
+        return table[bs[0]]
+    if b > bs[-1]:
+        return table[bs[-1]] * b / bs[-1]
+    hi = next(x for x in bs if x > b)
+    lo = max(x for x in bs if x < b)
+    w = (math.log2(b) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return (1 - w) * table[lo] + w * table[hi]
+
+
+class CostModel:
+    """The seconds of one round at depth γ and batch bucket B: the target's t(γ+1, B), the
+    generation loop's own per-round time (``overhead``: {B: seconds}, host work around the graph,
+    paid by plain rounds too) and, when γ > 0, the draft's per-round and per-token costs.
+    ``draft_step``: {B: seconds of one draft step} (draft models; c = t_draft / t(1, B));
+    ``draft_round``: {B: seconds of a proposal's fixed part} (host-side drafters). All default to
+    free."""
+
+    def __init__(self, target, draft_step: dict | None = None, draft_round: dict | None = None,
+                 overhead: dict | None = None):
+        self.target = target
+        self.draft_step = {int(b): float(t) for b, t in (draft_step or {}).items()}
+        self.draft_round = {int(b): float(t) for b, t in (draft_round or {}).items()}
+        self.overhead = {int(b): float(t) for b, t in (overhead or {}).items()}
+
+    def round_cost(self, gamma: int, b: int = 1) -> float:
+        t = self.target(gamma + 1, b) + _per_batch(self.overhead, b)
+        if gamma > 0:
+            t += _per_batch(self.draft_round, b) + gamma * _per_batch(self.draft_step, b)
+        return t
+
+    def draft_ratio(self, b: int = 1) -> float:
+        """c: one draft step's cost relative to one plain target step at batch B."""
+        return _per_batch(self.draft_step, b) / self.target(1, b)
+
+    def to_dict(self) -> dict:
+        return {"target": self.target.to_dict(), "draft_step": {str(b): t for b, t in self.draft_step.items()},
+                "draft_round": {str(b): t for b, t in self.draft_round.items()},
+                "overhead": {str(b): t for b, t in self.overhead.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(cost_curve_from_dict(d["target"]), {int(b): t for b, t in d.get("draft_step", {}).items()},
+                   {int(b): t for b, t in d.get("draft_round", {}).items()},
+                   {int(b): t for b, t in d.get("overhead", {}).items()})
+
+
+class AcceptanceProfile:
+    """How far a row's drafts survive: ``survival[j-1]`` = P(the first j drafts are all accepted |
+    the row drafted), non-increasing, and ``draft_rate`` = P(a row drafts in a round). Past the
+    measured depth the last conditional acceptance (s_J / s_{J-1}) repeats: geometric extrapolation."""
+
+    def __init__(self, survival: Sequence[float], draft_rate: float = 1.0):
+        s = [float(x) for x in survival]
+        if not s:
+            raise ValueError("an acceptance profile needs at least one position")
+        if not 0.0 <= draft_rate <= 1.0:
+            raise ValueError(f"draft_rate must be in [0, 1], got {draft_rate}")
+        for i, x in enumerate(s):  # sampling noise can break monotonicity at deep, rarely reached positions
+            if not 0.0 <= x <= 1.0 + 1e-9:
+                raise ValueError(f"survival probabilities must be in [0, 1], got {s}")
+            s[i] = min(x, s[i - 1]) if i else min(x, 1.0)
+        self.survival, self.draft_rate = s, float(draft_rate)
+
+    @classmethod
+    def from_beta(cls, beta: float, depth: int = 8, draft_rate: float = 1.0) -> "AcceptanceProfile":
+        """I.i.d. acceptance β per token (Leviathan et al.'s model): s_j = β^j."""
+        _check_beta(beta)
+        return cls([beta ** j for j in range(1, depth + 1)], draft_rate)
+
+    @classmethod
+    def from_counts(cls, accepted_at: Sequence[int], drafted_at: Sequence[int], row_rounds: int | None = None):
+        """From a run's per-position counts (``GenerationStats``): ``accepted_at[j]`` row-rounds whose
+        draft j was accepted, ``drafted_at[j]`` row-rounds that drafted position j; ``row_rounds``
+        (all row-rounds, drafted or not) gives the draft rate (default 1)."""
+        J = max((j + 1 for j, d in enumerate(drafted_at) if d > 0), default=0)
+        if J == 0:
+            return cls([0.0], 0.0)
+        surv = [accepted_at[j] / drafted_at[j] if j < len(accepted_at) else 0.0 for j in range(J)]
+        rate = 1.0 if row_rounds is None else min(1.0, drafted_at[0] / max(row_rounds, 1))
+        return cls(surv, rate)
+
+    def conditional(self, j: int) -> float:
+        """P(draft j accepted | drafts 1..j-1 accepted), j >= 1."""
+        s = self.survival
+        if j <= len(s):
+            prev = 1.0 if j == 1 else s[j - 2]
+            return s[j - 1] / prev if prev > 0 else 0.0
+        return self.conditional(len(s))
+
+    def survival_at(self, j: int) -> float:
+        s = self.survival
+        if j <= len(s):
+            return s[j - 1]
+        return s[-1] * self.conditional(len(s)) ** (j - len(s))
+
+    def expected_emitted(self, gamma: int) -> float:
+        """Mean tokens a row emits per round at depth γ (1 when it did not draft)."""
+        if gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {gamma}")
+        return 1.0 + self.draft_rate * sum(self.survival_at(j) for j in range(1, gamma + 1))
+
+    def to_dict(self) -> dict:
+        return {"survival": self.survival, "draft_rate": self.draft_rate}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AcceptanceProfile":
+        return cls(d["survival"], d.get("draft_rate", 1.0))
+
+
+def predicted_speedup(profile: AcceptanceProfile, cost: CostModel, gamma: int, b: int = 1) -> float:
+    """S(γ, B) of the module comment: tokens per second at depth γ over plain decoding, both at
+    batch bucket B (γ = 0: exactly 1)."""
+    if gamma == 0:
+        return 1.0
+    t1 = cost.round_cost(0, b)
+    p_round = 1.0 - (1.0 - profile.draft_rate) ** b
+    per_round = p_round * cost.round_cost(gamma, b) + (1.0 - p_round) * t1
+    return profile.expected_emitted(gamma) * t1 / per_round
+
+
+def recommend_gamma(profile: AcceptanceProfile, cost: CostModel, b: int = 1, depths: Sequence[int] = range(0, 65)) -> int:
+    """argmax over ``depths`` of :func:`predicted_speedup` (0 = no speculation, speedup 1); ties go
+    to the smaller depth (fewer graphs, less wasted compute)."""
+    best, best_s = 0, 1.0
+    for g in sorted(set(int(d) for d in depths) | {0}):
+        s = predicted_speedup(profile, cost, g, b)
+        if s > best_s * (1 + 1e-12):
+            best, best_s = g, s
+    return best

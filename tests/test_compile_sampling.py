@@ -94,7 +94,12 @@ def gof_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
 
 TREE = [(0,), (1,), (0, 0), (1, 0)]  # depth 2: two candidates, each with one child
 KINDS = [None, "ngram", "model", "self", "ngram-tree", "model-tree", "self-tree", "suffix", "suffix-tree",
-         "eagle", "eagle-tree", "eagle-dynamic", "medusa", "medusa-tree", "layerskip", "layerskip-tree"]
+         "eagle", "eagle-tree", "eagle-dynamic", "medusa", "medusa-tree", "layerskip", "layerskip-tree",
+         "model-auto"]
+# num_speculative_tokens="auto": the depth of each round (0, 1 or 2) depends on the acceptance seen
+# in earlier rounds; this cost curve (at the 64-row bucket) puts the choice between the depths
+# within reach of the random draft's acceptance, so the law is checked while the depth moves
+AUTO_COST = specgraph.perfmodel.CostModel(specgraph.perfmodel.CostCurve({BATCH: {1: 1.0, 2: 1.25, 3: 1.45}}))
 
 
 def random_head(target, kind):
@@ -116,6 +121,9 @@ def random_head(target, kind):
 
 def compile_fast(target, draft_kind, draft_model):
     tree = None
+    auto = draft_kind is not None and draft_kind.endswith("-auto")
+    if auto:
+        draft_kind = draft_kind.removesuffix("-auto")
     if draft_kind is not None and draft_kind.endswith(("-tree", "-dynamic")):
         draft_kind, shape = draft_kind.rsplit("-", 1)
         tree = "dynamic" if draft_kind == "suffix" or shape == "dynamic" else TREE
@@ -125,6 +133,11 @@ def compile_fast(target, draft_kind, draft_model):
         draft = layer_skip(target, 1)
     else:
         draft = draft_model if draft_kind == "model" else draft_kind
+    if auto:
+        fast = specgraph.compile(target, draft, num_speculative_tokens="auto", depths=[1, 2], backend="eager",
+                                 max_batch_size=BATCH, max_seq_len=32)
+        fast.policy.cost = AUTO_COST
+        return fast
     return specgraph.compile(target, draft, num_speculative_tokens=2, tree=tree, backend="eager",
                              max_batch_size=BATCH, max_seq_len=32)
 
@@ -136,6 +149,10 @@ def test_sampled_law_of_three_tokens_matches_target(target, draft, draft_kind, s
     fast = compile_fast(target, {"self": "model", "self-tree": "model-tree"}.get(draft_kind, draft_kind),
                         target if self_draft else draft)
     seed = 10 * SETTINGS.index(settings) + KINDS.index(draft_kind)  # fixed per case
+    seen = []
+    if fast.policy is not None:  # record every round's depth across all calls
+        choose = fast.policy.choose
+        fast.policy.choose = lambda *a: seen.append(choose(*a)) or seen[-1]
     counts = sampled_counts(fast, settings, seed=seed)
     p = gof_pvalue(counts, exact_law(target, settings))
     assert p > ALPHA, f"draft={draft_kind} {settings}: chi-square p = {p:.2e}"
@@ -146,6 +163,8 @@ def test_sampled_law_of_three_tokens_matches_target(target, draft, draft_kind, s
         assert 0 < fast.stats.accepted < fast.stats.drafted
     if draft_kind == "self":  # the draft is the target: every sampled draft must be accepted
         assert fast.stats.accepted == fast.stats.drafted
+    if draft_kind is not None and draft_kind.endswith("-auto"):  # the depth really moved, as a function of earlier acceptance
+        assert len(set(seen)) >= 2, sorted(set(seen))
 
 
 def test_negative_control_argmax_drafts_reported_as_sampled_is_rejected(target, draft, monkeypatch):

@@ -1,0 +1,292 @@
+"""``num_speculative_tokens="auto"``: the chain depth chosen each round from a running estimate of
+acceptance and a cost model (issue 6).
+
+The compiled object holds one graph per depth in a small fixed set (0, a plain step, plus e.g.
+2, 4, 8, or the depths a plan recommends): a round only ever picks one of them, so nothing is
+compiled at run time beyond what a fixed-depth object would compile on first use.
+
+Per sequence (row) the policy keeps an EWMA of the acceptance of the draft at each position given
+the ones before it were accepted, read from the per-row emitted counts the generation loop fetches
+anyway (no extra host sync). Positions a row has not been observed at borrow the estimate of the
+position before (a geometric extrapolation), and a new row starts from a prior (the plan's
+first-position acceptance, else 0.5). Each round, the depth d maximising
+
+    predicted tokens per second = Σ_rows E_row[emitted](d) / round_cost(d, B)
+
+over the set is chosen for the whole batch (one graph per round), where round_cost is the plan's
+measured cost curve plus the draft's cost (:class:`specgraph.perfmodel.CostModel`), or a
+conservative built-in curve (:class:`specgraph.perfmodel.LinearCost`) when no plan is given. A
+depth must beat plain decoding by ``margin`` to be chosen. While speculation is off nothing is
+observed, so the policy re-probes on a fixed schedule: after ``probe_every`` plain rounds it runs
+one round at the smallest depth, doubling the wait after each probe that does not switch
+speculation back on (up to ``probe_max``) and resetting it once it does. The choices are a pure
+function of the observed counts: the same seed gives the same sequence of depths.
+
+The depth is a function of the past only, and every round samples the target's next tokens
+exactly whatever its depth, so the output law (and greedy output) is unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from specgraph.perfmodel import AcceptanceProfile, CostModel, LinearCost
+
+DEFAULT_DEPTHS = (2, 4, 8)
+PRIOR_ACCEPT = 0.5  # first-position acceptance assumed for a new row without a plan
+PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
+HALFLIFE = 4.0  # an observation's weight halves after this many newer ones at that position
+PROBE_EVERY = 8  # plain rounds before the first re-probe
+PROBE_MAX = 64  # the longest wait between re-probes
+MARGIN = 0.02  # a depth must be predicted >= 2% faster than plain decoding
+AUTO_DRAFTS = ("ngram", "suffix", "model", "custom")
+
+
+class DepthPolicy:
+    """Chooses each round's chain depth; the generation loop calls :meth:`start` once per
+    ``generate`` call, :meth:`choose` before each round and :meth:`observe` after its host sync.
+
+    For draft models it also keeps the draft's KV cache complete across plain rounds (the draft
+    is not run then): before a drafted round it feeds the draft the committed tokens it missed."""
+
+    def __init__(self):
+        self.trace: list[int] = []  # the depth chosen for each round of the last call
+
+    # generation-loop hooks --------------------------------------------------------------------
+
+    def start(self, fast, rows, batch: int, device) -> None:
+        self.fast, self.batch, self.n_rows, self.device = fast, batch, len(rows), device
+        self.trace = []
+        # last position each row's draft-model cache holds correctly: the prompt prefill writes all
+        # prompt tokens but the last (the first root)
+        self._draft_valid = [len(r) - 2 for r in rows] if fast.draft == "model" else None
+        self._reset(len(rows), batch)
+
+    def choose(self, done: list[bool], L_host: list[int], hist: torch.Tensor) -> int:
+        live = [not d for d in done[: self.n_rows]]
+        k = self._decide(live) if any(live) else 0
+        self.trace.append(k)
+        if k > 0 and self._draft_valid is not None:
+            self._draft_catch_up(live, L_host, hist)
+        return k
+
+    def observe(self, k, n_emitted: list[int], done: list[bool], L_host: list[int]) -> None:
+        """After a round at depth ``k`` (per-row drafted counts for trees: ignored) in which row b
+        emitted ``n_emitted[b]`` tokens (accepted + 1), with ``L_host`` the rows' root positions
+        before the round."""
+        if isinstance(k, list) or k <= 0:
+            return
+        live = [not d for d in done[: self.n_rows]]
+        if self._draft_valid is not None:
+            # the draft fed the root's predecessor, the root and drafts 1..k-1: positions up to
+            # L + min(accepted, k - 1) now hold the right tokens
+            for b in range(self.n_rows):
+                if live[b]:
+                    self._draft_valid[b] = L_host[b] + min(n_emitted[b] - 1, k - 1)
+        self._update(k, n_emitted[: self.n_rows], live)
+
+    # subclass hooks ---------------------------------------------------------------------------
+
+    def _reset(self, n_rows: int, batch: int) -> None:
+        pass
+
+    def _decide(self, live: list[bool]) -> int:
+        raise NotImplementedError
+
+    def _update(self, k: int, n_emitted: list[int], live: list[bool]) -> None:
+        pass
+
+    # ------------------------------------------------------------------------------------------
+
+    def _draft_catch_up(self, live, L_host, hist) -> None:
+        """A drafted round feeds the draft the tokens at positions L-1 and L; every position before
+        L-1 must already be in its cache. After plain rounds some are not: write them with one
+        eager step of the draft (like the prompt prefill), then the round proceeds as usual."""
+        from specgraph.compiler import prefill_logits
+
+        fast = self.fast
+        gaps = [(b, self._draft_valid[b] + 1, L_host[b] - 2) for b in range(self.n_rows)
+                if live[b] and self._draft_valid[b] < L_host[b] - 2]
+        if not gaps:
+            return
+        P = max(hi - lo + 1 for _, lo, hi in gaps)
+        pos = torch.zeros(self.batch, P, dtype=torch.long)
+        valid = torch.zeros(self.batch, P, dtype=torch.bool)
+        for b, lo, hi in gaps:
+            pos[b, : hi - lo + 1] = torch.arange(lo, hi + 1)
+            valid[b, : hi - lo + 1] = True
+            self._draft_valid[b] = hi
+        pos, valid = pos.to(hist.device), valid.to(hist.device)
+        ids = hist.gather(1, pos)  # hist holds every committed token up to the root
+        prefill_logits(fast._eager_draft_step, ids, pos, valid, fast._cache(self.batch, "draft"), fast.slots,
+                       fast.draft_window)
+
+
+class FixedDepth(DepthPolicy):
+    """Every round at one depth (0 = plain decoding): the planner's and the benchmark's baseline,
+    run on the same compiled object (and graphs) as ``"auto"``."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        self.depth = int(depth)
+
+    def _decide(self, live):
+        return self.depth
+
+
+class AutoDepth(DepthPolicy):
+    """The ``"auto"`` policy (module docstring). ``depths``: the positive precompiled depths;
+    ``cost``: a :class:`~specgraph.perfmodel.CostModel`; ``prior``: an acceptance profile whose
+    first-position acceptance (times its draft rate) new rows start from."""
+
+    def __init__(self, depths, cost: CostModel, prior: AcceptanceProfile | None = None, *, halflife: float = HALFLIFE,
+                 prior_weight: float = PRIOR_WEIGHT, probe_every: int = PROBE_EVERY, probe_max: int = PROBE_MAX,
+                 margin: float = MARGIN):
+        super().__init__()
+        pos = sorted({int(d) for d in depths if int(d) > 0})
+        if not pos:
+            raise ValueError(f"auto needs at least one positive depth, got {list(depths)}")
+        if probe_every < 1 or probe_max < probe_every or halflife <= 0 or prior_weight <= 0:
+            raise ValueError("need probe_max >= probe_every >= 1, halflife > 0 and prior_weight > 0")
+        self.depths = [0, *pos]
+        self.cost = cost
+        self.prior = PRIOR_ACCEPT if prior is None else prior.conditional(1) * prior.draft_rate
+        self.decay = 0.5 ** (1.0 / halflife)
+        self.prior_weight, self.probe_every, self.probe_max, self.margin = prior_weight, probe_every, probe_max, margin
+
+    def _reset(self, n_rows, batch):
+        K = self.depths[-1]
+        self.acc = np.zeros((n_rows, K))  # decayed count of accepted drafts at each position
+        self.cnt = np.zeros((n_rows, K))  # decayed count of drafts that reached each position
+        # one round's cost at each depth for this batch bucket (the padded rows run too)
+        self.round_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
+        self.off_rounds, self.wait = 0, self.probe_every
+
+    def acceptance(self) -> np.ndarray:
+        """[rows, K] estimated acceptance of draft j + 1 given drafts 1..j were accepted."""
+        alpha = np.empty_like(self.acc)
+        prev = np.full(self.acc.shape[0], self.prior)
+        for j in range(self.acc.shape[1]):
+            alpha[:, j] = (self.acc[:, j] + self.prior_weight * prev) / (self.cnt[:, j] + self.prior_weight)
+            prev = alpha[:, j]
+        return alpha
+
+    def expected_emitted(self) -> np.ndarray:
+        """[rows, len(depths)]: each row's predicted tokens emitted per round at each depth."""
+        surv = np.cumprod(self.acceptance(), axis=1)
+        cum = np.concatenate([np.zeros((surv.shape[0], 1)), np.cumsum(surv, axis=1)], axis=1)
+        return 1.0 + cum[:, self.depths]
+
+    def _decide(self, live):
+        E = self.expected_emitted()[np.array(live, dtype=bool)]
+        rate = E.sum(axis=0) / self.round_cost  # predicted tokens per second at each depth
+        best = int(np.argmax(rate))  # first maximum: ties go to the smaller depth
+        if best > 0 and rate[best] <= rate[0] * (1.0 + self.margin):
+            best = 0
+        if best > 0:
+            self.off_rounds, self.wait = 0, self.probe_every
+            return self.depths[best]
+        self.off_rounds += 1
+        if self.off_rounds > self.wait:  # re-probe: nothing is observed while off
+            self.off_rounds, self.wait = 0, min(2 * self.wait, self.probe_max)
+            return self.depths[1]
+        return 0
+
+    def _update(self, k, n_emitted, live):
+        K = self.acc.shape[1]
+        a = np.array(n_emitted, dtype=np.int64) - 1  # accepted drafts per row
+        j = np.arange(K)
+        # positions a row's round reached: its accepted drafts and the first rejected one (if any)
+        reached = (j[None, :] <= a[:, None]) & (j[None, :] < k) & np.array(live, dtype=bool)[:, None]
+        hit = (j[None, :] < a[:, None]).astype(np.float64)
+        self.acc = np.where(reached, self.decay * self.acc + hit, self.acc)
+        self.cnt = np.where(reached, self.decay * self.cnt + 1.0, self.cnt)
+
+
+# ----------------------------------------------------------------------------------------------
+# wiring into specgraph.compile
+
+
+def _param_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def default_cost(fast) -> CostModel:
+    """The cost model without a plan: :class:`LinearCost` for the target and, for a draft model,
+    one draft step = (draft parameters / target parameters) x a plain target step (decode steps
+    are weight-bound)."""
+    target = LinearCost()
+    draft_step = {}
+    if fast.draft_model is not None:
+        c = _param_count(fast.draft_model) / _param_count(fast.model)
+        b = 1
+        while b <= fast.max_batch_size * 2:
+            draft_step[b] = c * target(1, b)
+            b *= 2
+    return CostModel(target, draft_step)
+
+
+def auto_depths(depths, plan) -> list[int]:
+    """The positive depths an ``"auto"`` object precompiles: ``depths`` if given, else those a plan
+    recommends for some batch size (plus 2: speculation needs one depth to probe with when the
+    plan recommended none), else :data:`DEFAULT_DEPTHS`."""
+    if depths is not None:
+        try:
+            out = sorted({int(d) for d in depths if int(d) > 0})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"depths must be integers, got {depths!r}") from e
+        if not out:
+            raise ValueError(f"depths needs at least one positive depth for 'auto', got {depths!r}")
+        return out
+    if plan is not None:
+        rec = sorted({g for g in plan.recommended.values() if g > 0})
+        return rec or [2]
+    return list(DEFAULT_DEPTHS)
+
+
+def enable_auto(fast, depths: list[int], plan=None, **policy_kwargs) -> None:
+    """Make ``fast`` choose its chain depth per round (:class:`AutoDepth`) among ``depths`` (and 0)."""
+    if fast.tree is not None or fast.draft not in AUTO_DRAFTS or fast.learned is not None:
+        raise ValueError(
+            "num_speculative_tokens='auto' chooses chain depths: use it with draft='ngram', 'suffix', a draft "
+            f"model or a ChainDrafter, tree=None (got draft={fast.draft!r}, tree={'set' if fast.tree is not None else None})")
+    if plan is not None:
+        cost, prior = plan.cost, plan.profile
+    else:
+        cost, prior = default_cost(fast), None
+    fast.k_ladder, fast.k, fast.span = list(depths), max(depths), max(depths) + 1
+    fast.policy = AutoDepth(depths, cost, prior, **policy_kwargs)
+
+
+@contextlib.contextmanager
+def forced_depth(fast, depth: int):
+    """Run ``fast.generate`` at one chain depth (0: plain decoding) inside the block, compiling that
+    depth on first use if it is not precompiled; the object's own settings come back afterwards."""
+    if fast.tree is not None or fast.learned is not None or (depth > 0 and fast.draft not in AUTO_DRAFTS):
+        raise ValueError(f"a forced chain depth needs a chain drafter ({', '.join(AUTO_DRAFTS)}), got draft={fast.draft!r}")
+    saved = (fast.policy, fast.k, fast.span)
+    with fast._lock:
+        fast.policy = FixedDepth(depth)
+        fast.k = max(fast.k, depth)
+        fast.span = max(fast.span, depth + 1)
+        try:
+            yield fast.policy
+        finally:
+            fast.policy, fast.k, fast.span = saved
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """The batch buckets a compiled object can run (powers of two up to ``max_batch``, and it)."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return sorted({*out, max_batch})
+
+
+__all__ = ["AutoDepth", "FixedDepth", "DepthPolicy", "enable_auto", "auto_depths", "default_cost", "forced_depth",
+           "bucket_sizes", "DEFAULT_DEPTHS"]

@@ -1,0 +1,338 @@
+"""``num_speculative_tokens="auto"`` (specgraph.adaptive), the replay drafter, batch serving and the
+planner (issue 6), on tiny random models with the eager backend.
+
+* greedy output equals ``model.generate`` with auto on, for every chain drafter, batch 1 and a
+  left-padded batch of 5, while the depth really changes between rounds;
+* the depth choices are a deterministic function of what was observed: the same seed gives the
+  same sequence; speculation goes off (and is re-probed on a fixed schedule) when nothing is
+  accepted and stays on when everything is;
+* rows never affect each other: each row of a 32-row batch (ragged acceptance, rows stopping at
+  different times) equals the row generated alone, and one depth serves the whole batch per round
+  while the acceptance estimates are per row.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import specgraph
+from specgraph.adaptive import AutoDepth, FixedDepth, forced_depth
+from specgraph.drafters import ChainDrafter, ReplayDrafter
+from specgraph.perfmodel import AcceptanceProfile, CostCurve, CostModel, LinearCost
+from specgraph.planner import Plan
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: share test_compile's helpers
+from test_compile import PAD, PROMPT_1, PROMPTS_4, assert_same, hf_generate, left_pad, repeated, sg_generate, tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
+
+PROMPTS_5 = PROMPTS_4 + [repeated([3, 4, 5], 9)]
+MAX_SEQ = 128
+
+
+def cheap_plan(per_token: float = 0.05, beta: float = 0.6, depths=(2, 4, 8)) -> Plan:
+    """A synthetic plan whose rounds are cheap (a GPU-like flat cost curve): auto speculates
+    whenever rows accept, so the tests see it move between depths."""
+    return Plan.from_measurements(CostModel(LinearCost(1.0, per_token)), AcceptanceProfile.from_beta(beta),
+                                  [1, 2, 4, 8, 16, 32], depths)
+
+
+def record_depths(fast) -> list[int]:
+    """Every depth the policy chooses on ``fast`` from now on (traces are per call)."""
+    seen = []
+    orig = fast.policy.choose
+
+    def choose(*a):
+        k = orig(*a)
+        seen.append(k)
+        return k
+
+    fast.policy.choose = choose
+    return seen
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+# ----------------------------------------------------------------------------------------------
+# greedy equality with auto on
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix", "model", "self", "replay"])
+def test_auto_greedy_equals_hf_generate(llama, kind):
+    if kind == "model":
+        draft = tiny_model("llama", seed=1)
+    elif kind == "self":  # the draft cache must be caught up after plain rounds, or drafts go wrong
+        draft = llama
+    elif kind == "replay":
+        draft = ReplayDrafter.from_model(llama, PROMPT_1 + PROMPTS_5, 24, beta=0.6, seed=3, eos_token_id=[])
+    else:
+        draft = kind
+    fast = specgraph.compile(llama, draft, num_speculative_tokens="auto", plan=cheap_plan(), depths=[8, 2, 4],
+                             backend="eager", max_batch_size=8, max_seq_len=MAX_SEQ)
+    assert fast.k_ladder == [2, 4, 8] and fast.span == 9
+    seen = record_depths(fast)
+    for rows in (PROMPT_1, PROMPTS_5):
+        ids, mask = left_pad(rows)
+        ref = hf_generate(llama, ids, mask, max_new_tokens=24)
+        out = sg_generate(fast, ids, mask, max_new_tokens=24)
+        assert_same(llama, ids, mask, ref, out, f"auto draft={kind} B={len(rows)}")
+        assert len(fast.policy.trace) == fast.stats.rounds  # one depth per round, shared by the batch
+        if kind == "self":
+            assert fast.stats.accepted == fast.stats.drafted, "a stale draft cache after plain rounds"
+    assert set(seen) <= {0, 2, 4, 8}
+    assert len(set(seen)) >= 2, f"auto never changed depth: {seen}"
+    if kind in ("self", "replay"):
+        assert any(k > 0 for k in seen)
+
+
+def test_auto_with_default_cost_model_is_exact_and_turns_off_a_useless_draft(llama):
+    """No plan: the conservative built-in curve; a draft as costly as the target never pays."""
+    fast = specgraph.compile(llama, llama, num_speculative_tokens="auto", backend="eager", max_batch_size=8,
+                             max_seq_len=MAX_SEQ)
+    ids, mask = left_pad(PROMPTS_5)
+    ref = hf_generate(llama, ids, mask, max_new_tokens=30)
+    assert torch.equal(sg_generate(fast, ids, mask, max_new_tokens=30), ref)
+    assert fast.policy.trace.count(0) >= 0.8 * len(fast.policy.trace), fast.policy.trace
+
+
+# ----------------------------------------------------------------------------------------------
+# gating: deterministic, off at β = 0, on at β = 1
+
+
+def _replay_fast(model, rows, beta, n, **kw):
+    rd = ReplayDrafter.from_model(model, rows, n, beta=beta, seed=0, eos_token_id=[])
+    return specgraph.compile(model, rd, num_speculative_tokens="auto", backend="eager", max_batch_size=8,
+                             max_seq_len=MAX_SEQ, **kw)
+
+
+def test_gating_is_deterministic_under_a_seed(llama):
+    fast = specgraph.compile(llama, "ngram", num_speculative_tokens="auto", plan=cheap_plan(), backend="eager",
+                             max_batch_size=8, max_seq_len=MAX_SEQ)
+    ids, mask = left_pad(PROMPTS_5)
+    runs = []
+    for _ in range(2):
+        out = fast.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=True, temperature=0.8,
+                            generator=torch.Generator().manual_seed(5), pad_token_id=PAD, eos_token_id=[])
+        runs.append((out, list(fast.policy.trace)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]
+    assert len(set(runs[0][1])) >= 2, runs[0][1]
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_replay_beta_turns_speculation_off_or_keeps_it_on(llama, beta):
+    ids, mask = left_pad(PROMPTS_4)
+    fast = _replay_fast(llama, PROMPTS_4, beta, 60)
+    ref = hf_generate(llama, ids, mask, max_new_tokens=60)
+    out = sg_generate(fast, ids, mask, max_new_tokens=60)
+    assert torch.equal(out, ref)
+    trace = fast.policy.trace
+    if beta == 1.0:
+        # every draft of the continuation is accepted (the last rounds draft past its end: rejected)
+        assert 0 not in trace and fast.stats.accepted >= 0.9 * fast.stats.drafted, fast.stats
+        assert trace[-2] == 8, trace  # the deepest compiled depth
+    else:
+        assert fast.stats.accepted == 0
+        on = [i for i, k in enumerate(trace) if k > 0]
+        # off after the first round; then only the fixed re-probe schedule: 8, 16, 32 plain rounds apart
+        gaps = [b - a - 1 for a, b in zip(on, on[1:])]
+        assert on[0] == 0 and len(gaps) >= 2 and gaps == [8 * 2**i for i in range(len(gaps))], trace
+        assert all(trace[i] == 2 for i in on), trace  # probes use the smallest depth
+
+
+def test_policy_switches_back_on_after_a_probe():
+    """Unit test of the schedule: rows reject everything, speculation goes off; then rows accept
+    everything, and the next probe turns it back on."""
+    pol = AutoDepth([2, 4], CostModel(LinearCost(1.0, 0.05)))
+    pol._reset(2, 2)
+    chosen = []
+    for r in range(40):
+        k = pol._decide([True, True])
+        chosen.append(k)
+        if k:
+            pol._update(k, [1, 1] if r < 15 else [k + 1, k + 1], [True, True])
+    first_off = chosen.index(0)
+    assert first_off < 8
+    back_on = next(i for i in range(16, 40) if chosen[i] > 0)
+    assert all(k > 0 for k in chosen[back_on:]), chosen
+    assert chosen[-1] == 4
+
+
+def test_per_row_estimates_follow_each_row():
+    pol = AutoDepth([2, 4], CostModel(LinearCost(1.0, 0.05)))
+    pol._reset(3, 4)
+    for _ in range(6):
+        pol._update(4, [5, 1, 3], [True, True, False])  # row 0 accepts all, row 1 none, row 2 done
+    a = pol.acceptance()
+    assert a.shape == (3, 4)
+    assert a[0].min() > 0.8 and a[1, 0] < 0.2
+    assert torch.allclose(torch.tensor(a[2]), torch.full((4,), 0.5, dtype=torch.float64))  # untouched prior
+
+
+# ----------------------------------------------------------------------------------------------
+# batch serving: rows independent, up to 32
+
+
+def test_rows_alone_equal_rows_in_a_batch_of_32(llama):
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for i in range(32):
+        period = 2 + i % 5
+        pattern = torch.randint(2, 100, (period,), generator=g).tolist()
+        rows.append(repeated(pattern, 3 + (7 * i) % 29))
+    rd = ReplayDrafter.from_model(llama, rows, 24, beta=0.7, seed=1, eos_token_id=[])
+    fast = specgraph.compile(llama, rd, num_speculative_tokens="auto", plan=cheap_plan(), backend="eager",
+                             max_batch_size=32, max_seq_len=MAX_SEQ)
+    ids, mask = left_pad(rows)
+    eos = 77  # stops some rows early: rows finish at different times
+    batched = fast.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=PAD, eos_token_id=eos)
+    assert fast.policy.acceptance().shape[0] == 32  # per-row estimates ...
+    assert len(fast.policy.trace) == fast.stats.rounds  # ... one depth per round for the batch
+    per_row = fast.policy.acceptance()[:, 0]
+    assert per_row.max() - per_row.min() > 0.1, "ragged acceptance expected across rows"
+    T = ids.shape[1]
+    stopped = 0
+    for b, r in enumerate(rows):
+        alone = fast.generate(torch.tensor([r]), max_new_tokens=24, pad_token_id=PAD, eos_token_id=eos)
+        new_alone = alone[0, len(r):].tolist()
+        new_batched = batched[b, T:].tolist()[: len(new_alone)]
+        assert new_batched == new_alone, f"row {b}"
+        assert all(t == PAD for t in batched[b, T + len(new_alone):].tolist())
+        stopped += len(new_alone) < 24
+    assert 0 < stopped < 32, "EOS should stop some rows and not others"
+    ref = hf_generate(llama, ids, mask, max_new_tokens=24, eos_token_id=eos)
+    assert torch.equal(batched, ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# plumbing and refusals
+
+
+def test_forced_depth_restores_the_object(llama):
+    fast = specgraph.compile(llama, "ngram", num_speculative_tokens="auto", backend="eager", max_batch_size=2,
+                             max_seq_len=MAX_SEQ)
+    pol, k, span = fast.policy, fast.k, fast.span
+    ids, mask = left_pad(PROMPT_1)
+    ref = hf_generate(llama, ids, mask, max_new_tokens=12)
+    with forced_depth(fast, 12) as fixed:
+        assert isinstance(fixed, FixedDepth)
+        assert torch.equal(sg_generate(fast, ids, mask, max_new_tokens=12), ref)
+        assert set(fixed.trace) == {12}
+    assert (fast.policy, fast.k, fast.span) == (pol, k, span)
+
+
+def test_custom_chain_drafter_protocol(llama):
+    class Nothing(ChainDrafter):  # proposes nothing: every round is a plain step
+        def propose(self, hist, L, k, active):
+            return None
+
+    fast = specgraph.compile(llama, Nothing(), backend="eager", max_seq_len=MAX_SEQ)
+    ids, mask = left_pad(PROMPT_1)
+    assert torch.equal(sg_generate(fast, ids, mask, max_new_tokens=10), hf_generate(llama, ids, mask, max_new_tokens=10))
+    assert fast.stats.drafted == 0
+    with pytest.raises(ValueError, match="chains"):
+        specgraph.compile(llama, Nothing(), tree=[(0,)], backend="eager")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(draft=None, num_speculative_tokens="auto"), "auto"),
+    (dict(draft="ngram", num_speculative_tokens="fast"), "'auto'"),
+    (dict(draft="ngram", num_speculative_tokens="auto", tree=[(0,), (0, 0)]), "auto"),
+    (dict(draft="ngram", num_speculative_tokens=4, plan=cheap_plan()), "plan="),
+    (dict(draft="ngram", num_speculative_tokens="auto", depths=[0]), "positive"),
+])
+def test_auto_refusals(llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        specgraph.compile(llama, backend="eager", **kwargs)
+
+
+def test_replay_drafter_unknown_prompt_is_refused(llama):
+    rd = ReplayDrafter({(1, 2): [3, 4]}, beta=1.0, vocab_size=128)
+    fast = specgraph.compile(llama, rd, backend="eager", max_seq_len=MAX_SEQ)
+    with pytest.raises(ValueError, match="no continuation"):
+        fast.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4)
+
+
+def test_replay_drafter_acceptance_rate(llama):
+    """Per-position acceptance is i.i.d. β: the measured first-position acceptance is near β."""
+    rows = [repeated([i + 2, i + 40, i + 7], 6) for i in range(8)]
+    rd = ReplayDrafter.from_model(llama, rows, 64, beta=0.6, seed=2, eos_token_id=[])
+    fast = specgraph.compile(llama, rd, num_speculative_tokens=1, backend="eager", max_batch_size=8,
+                             max_seq_len=MAX_SEQ, depths=[1])
+    ids, mask = left_pad(rows)
+    assert torch.equal(sg_generate(fast, ids, mask, max_new_tokens=64), hf_generate(llama, ids, mask, max_new_tokens=64))
+    rate = fast.stats.accepted / fast.stats.drafted
+    assert abs(rate - 0.6) < 0.1, rate
+
+
+# ----------------------------------------------------------------------------------------------
+# the planner
+
+
+def test_plan_measures_fits_recommends_and_round_trips(llama, tmp_path):
+    fast = specgraph.compile(llama, "ngram", num_speculative_tokens=4, backend="eager", max_batch_size=2,
+                             max_seq_len=MAX_SEQ)
+    prompts = [repeated([11, 42, 7, 93], 13), repeated([17, 64, 3, 88, 25], 20)]
+    p = specgraph.plan(fast, prompts, batch_sizes=[1, 2], grid=[1, 2, 3, 5], max_new_tokens=16, repeats=2,
+                       measure_depths=[1, 2, 4], measure_batch_sizes=[1, 2], progress=False,
+                       eos_token_id=[], pad_token_id=PAD)
+    assert set(p.recommended) == {1, 2} and all(0 <= g <= 4 for g in p.recommended.values())
+    assert set(p.measured) == {1, 2} and set(p.measured[1]) == {1, 2, 4}
+    assert all(s > 0 for row in p.measured.values() for s in row.values())
+    assert p.profile.draft_rate > 0 and p.profile.survival[0] > 0  # repetitive prompts: lookups accepted
+    assert fast.policy is None and fast.k == 4  # the object is left as it was
+    for b, g in p.recommended.items():  # the recommendation is the argmax of the fitted model
+        best = max(range(0, 5), key=lambda x: (p.speedup(x, b), -x))
+        assert p.speedup(g, b) == pytest.approx(p.speedup(best, b))
+    files = p.save(tmp_path)
+    back = Plan.load(tmp_path)
+    assert back.recommended == p.recommended and back.measured == p.measured
+    assert back.speedup(2, 2) == pytest.approx(p.speedup(2, 2))
+    assert json.loads(files["json"].read_text())["format"] == "specgraph-plan"
+    if files["png"] is not None:
+        assert files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the plan drives auto: its costs, its acceptance prior, and its depths (the recommended ones)
+    auto = specgraph.compile(llama, "ngram", num_speculative_tokens="auto", plan=tmp_path / "plan.json",
+                             backend="eager", max_batch_size=2, max_seq_len=MAX_SEQ)
+    rec = sorted({g for g in p.recommended.values() if g > 0}) or [2]
+    assert auto.k_ladder == rec
+    ids, mask = left_pad(prompts)
+    assert torch.equal(sg_generate(auto, ids, mask, max_new_tokens=16), hf_generate(llama, ids, mask, max_new_tokens=16))
+
+
+def test_plan_with_a_draft_model_measures_the_draft_cost(llama):
+    fast = specgraph.compile(llama, tiny_model("llama", seed=1), num_speculative_tokens=2, backend="eager",
+                             max_batch_size=1, max_seq_len=MAX_SEQ)
+    p = specgraph.plan(fast, [PROMPT_1[0]], batch_sizes=[1], grid=[1, 3], max_new_tokens=8, repeats=1,
+                       measure_depths=[2], measure_batch_sizes=[], progress=False, eos_token_id=[], pad_token_id=PAD)
+    assert p.cost.draft_step[1] > 0 and 0 < p.cost.draft_ratio(1) < 10
+    assert p.measured == {}
+
+
+def test_plan_png_skipped_with_a_message_without_matplotlib(monkeypatch, tmp_path, capsys):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **kw):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("no matplotlib")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    files = cheap_plan().save(tmp_path)
+    assert files["png"] is None and (tmp_path / "plan.json").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_cost_curve_fit_is_monotone_in_n():
+    # a noisy dip at N=4 is pooled away: more query tokens never cost less
+    c = CostCurve.fit([(1, 1, 1.0), (1, 2, 1.2), (1, 4, 1.1), (1, 8, 2.0)])
+    vals = [c(n, 1) for n in (1, 2, 3, 4, 6, 8, 12)]
+    assert vals == sorted(vals)
