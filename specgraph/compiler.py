@@ -104,6 +104,19 @@ def tree_logits(step, root, L, active, tree_tokens, parents, max_children, kv, s
     return (logits, ids, children, last_hidden) if hidden else (logits, ids, children)
 
 
+def draft_logits(step, tokens, last, active, kv, slots, width, window):
+    """A draft-model step's logits for the next token: Q fed tokens ending at position ``last``
+    (negative positions, before the prompt, are masked), each seeing the committed slots and
+    the fed tokens before it. tokens [B, Q], last [B], active [B] bool -> logits [B, V]."""
+    Q = tokens.shape[1]
+    pos = last.unsqueeze(1) + (torch.arange(Q, device=last.device) - (Q - 1))
+    valid = active.unsqueeze(1) & (pos >= 0)
+    pos = pos.clamp_min(0)
+    mask = _step_mask(last - (Q - 1), pos, valid, width, window).to(kv[0].dtype)
+    logits, _ = step(tokens, pos, mask, torch.where(valid, pos, slots - 1), *kv)
+    return logits[:, -1]
+
+
 def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None, hidden=False):
     """Prompt tokens into the cache: query (b, j) at position pos[b, j] sees the slots in
     [start, pos] (start = 0: the whole prompt so far); invalid columns write to the scratch slot.
@@ -695,16 +708,10 @@ class SpecGraphModel:
         if key not in self._fns:
             S, window = self.slots, self.draft_window
             step = self._step(B, Q, width, which="draft")
-            offs = torch.arange(Q) - (Q - 1)
 
             def draft_fn(tokens, last, active, expo, *kv):
                 # tokens [B, Q], last [B] position of the last fed token, expo [B, V] Exp(1) draws
-                pos = last.unsqueeze(1) + offs.to(last.device)
-                valid = active.unsqueeze(1) & (pos >= 0)
-                pos = pos.clamp_min(0)
-                mask = _step_mask(last - (Q - 1), pos, valid, width, window).to(kv[0].dtype)
-                logits, _ = step(tokens, pos, mask, torch.where(valid, pos, S - 1), *kv)
-                logits = logits[:, -1]
+                logits = draft_logits(step, tokens, last, active, kv, S, width, window)
                 if params.greedy:
                     return logits.argmax(dim=-1), logits
                 q = warped_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)

@@ -94,7 +94,7 @@ import torch
 
 from specgraph.capture import capture_step, kv_layout, new_kv_cache
 from specgraph.compiler import (
-    NGRAM_MAX, NGRAM_MIN, SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES, _compact_path, _step_mask, chain_logits,
+    NGRAM_MAX, NGRAM_MIN, SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES, _compact_path, chain_logits, draft_logits,
     prefill_logits, scaled_logits, tree_logits,
 )
 from specgraph.passes import run_step_pipeline
@@ -233,19 +233,14 @@ class DraftStep(torch.nn.Module):
         self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
 
     def forward(self, *args):
-        Q, S = self.Q, self.slots
+        S = self.slots
         tokens, last, active = args[:3]
         i = 3
         if self.sample:
             expo, temperature = args[3], args[4]
             i = 5
         kv = [t.clone() for t in args[i:]]
-        pos = last.unsqueeze(1) + (torch.arange(Q, device=last.device) - (Q - 1))
-        valid = active.unsqueeze(1) & (pos >= 0)
-        pos = pos.clamp_min(0)
-        mask = _step_mask(last - (Q - 1), pos, valid, S, self.window).to(kv[0].dtype)
-        logits, _ = self.step(tokens, pos, mask, torch.where(valid, pos, S - 1), *kv)
-        logits = logits[:, -1]
+        logits = draft_logits(self.step, tokens, last, active, kv, S, S, self.window)
         if not self.sample:
             return (logits.argmax(dim=-1), logits, *kv)
         # warped_probs(logits, T) = softmax(filters(logits.float() / T)): the division done here
