@@ -199,3 +199,102 @@ def test_tree_siblings_may_sum_to_one():
 def test_bad_inputs_raise(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ----------------------------------------------------------------------------------------------
+# measured costs (issue 6): cost curve fit, acceptance profiles, recommended depth
+
+
+from specgraph.perfmodel import (  # noqa: E402
+    AcceptanceProfile,
+    CostCurve,
+    CostModel,
+    LinearCost,
+    predicted_speedup,
+    recommend_gamma,
+)
+
+
+def _true_cost(n, b):
+    """A memory-bound floor up to a knee of 16 tokens per batch, then linear in tokens (compute-bound)."""
+    return 0.010 + 0.0002 * b + 0.0004 * max(0.0, n * b - 16)
+
+
+def test_cost_curve_recovers_a_known_curve_from_noisy_samples():
+    g = torch.Generator().manual_seed(0)
+    grid, batches = [1, 2, 4, 8, 16, 32, 64], [1, 2, 4, 8]
+    samples = []
+    for b in batches:
+        for n in grid:
+            for _ in range(7):  # 3% multiplicative noise, like timing jitter
+                samples.append((b, n, _true_cost(n, b) * (1 + 0.03 * float(torch.randn(1, generator=g)))))
+    c = CostCurve.fit(samples)
+    for b in batches:
+        for n in grid:  # at the grid: the median of 7 noisy repeats
+            assert c(n, b) == pytest.approx(_true_cost(n, b), rel=0.04)
+        for n in (3, 12, 24, 48):  # between grid points the true curve is piecewise linear with a knee at n*b=16
+            tol = 0.04 if (n * b > 16 or n * b * 2 <= 16) else 0.25  # one segment straddles the knee
+            assert c(n, b) == pytest.approx(_true_cost(n, b), rel=tol), (n, b)
+    # between batch sizes: between the neighbours; above the largest: grows in proportion to B
+    assert min(c(8, 2), c(8, 4)) <= c(8, 3) <= max(c(8, 2), c(8, 4))
+    assert c(8, 16) == pytest.approx(2 * c(8, 8))
+    d = CostCurve.fit([tuple(s) for s in samples])
+    assert CostCurve(d.table).table == d.table
+
+
+def test_acceptance_profile_from_counts_and_extrapolation():
+    # 100 row-rounds, 80 drafted; of those 60 kept draft 1, 30 kept drafts 1-2
+    p = AcceptanceProfile.from_counts([60, 30], [80, 80], row_rounds=100)
+    assert p.draft_rate == pytest.approx(0.8)
+    assert p.survival == pytest.approx([0.75, 0.375])
+    assert p.conditional(1) == pytest.approx(0.75) and p.conditional(2) == pytest.approx(0.5)
+    assert p.survival_at(4) == pytest.approx(0.375 * 0.25)  # the last conditional repeats
+    assert p.expected_emitted(2) == pytest.approx(1 + 0.8 * (0.75 + 0.375))
+    assert AcceptanceProfile.from_beta(0.7).expected_emitted(5) == pytest.approx(expected_emitted(0.7, 5))
+
+
+@pytest.mark.parametrize("beta, gamma, c", [(0.8, 5, 0.05), (0.5, 3, 0.2), (0.95, 8, 0.0)])
+def test_predicted_speedup_reduces_to_the_closed_form(beta, gamma, c):
+    """p = 1, s_j = β^j, a flat cost curve and a draft step of c plain steps: Leviathan et al.'s S."""
+    cost = CostModel(LinearCost(1.0, 0.0), draft_step={1: c})
+    assert predicted_speedup(AcceptanceProfile.from_beta(beta, depth=16), cost, gamma) == pytest.approx(speedup(beta, gamma, c))
+
+
+def _brute(profile, cost, b, depths):
+    """Independent evaluation of S(γ, B) = E t0 / (P_B T_γ + (1 - P_B) t0), argmax with ties to smaller γ."""
+    p = profile.draft_rate
+    t0 = cost.target(1, b) + cost.overhead.get(b, 0.0)
+    best, best_s = 0, 1.0
+    for g in sorted(depths):
+        if g == 0:
+            continue
+        e = 1 + p * sum(profile.survival_at(j) for j in range(1, g + 1))
+        tg = cost.target(g + 1, b) + cost.overhead.get(b, 0.0) + cost.draft_round.get(b, 0.0) + g * cost.draft_step.get(b, 0.0)
+        pb = 1 - (1 - p) ** b
+        s = e * t0 / (pb * tg + (1 - pb) * t0)
+        if s > best_s * (1 + 1e-12):
+            best, best_s = g, s
+    return best
+
+
+def test_recommended_gamma_matches_brute_force_argmax():
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda: float(torch.rand(1, generator=g))  # noqa: E731
+    for _ in range(200):
+        beta, rate = rnd(), 0.2 + 0.8 * rnd()
+        table = {b: {n: _true_cost(n, b) for n in (1, 2, 4, 8, 16, 32, 64)} for b in (1, 4, 16)}
+        knee = 1 + 10 * rnd()
+        cost = CostModel(CostCurve.fit([(b, n, t * (1 + rnd() * n / knee / 64)) for b, row in table.items() for n, t in row.items()]),
+                         draft_step={b: 0.002 * rnd() for b in table}, draft_round={b: 0.001 * rnd() for b in table},
+                         overhead={b: 0.001 * rnd() for b in table})
+        prof = AcceptanceProfile([beta ** j * (1 - 0.05 * j * rnd()) for j in range(1, 9)], rate)
+        for b in table:  # the measured batch sizes: the brute force reads the tables directly
+            depths = range(0, 64)
+            assert recommend_gamma(prof, cost, b, depths) == _brute(prof, cost, b, depths)
+
+
+def test_recommendation_turns_off_at_high_batch_and_low_acceptance():
+    cost = CostModel(LinearCost())  # the conservative built-in curve
+    assert recommend_gamma(AcceptanceProfile.from_beta(0.9), cost, 1) > 0
+    assert recommend_gamma(AcceptanceProfile.from_beta(0.8), cost, 64) == 0
+    assert recommend_gamma(AcceptanceProfile.from_beta(0.05), cost, 1) == 0
