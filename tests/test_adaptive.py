@@ -336,3 +336,33 @@ def test_cost_curve_fit_is_monotone_in_n():
     c = CostCurve.fit([(1, 1, 1.0), (1, 2, 1.2), (1, 4, 1.1), (1, 8, 2.0)])
     vals = [c(n, 1) for n in (1, 2, 3, 4, 6, 8, 12)]
     assert vals == sorted(vals)
+
+
+def _tiny_model_dir(path, model):
+    """A local HF folder (config, weights, a word-level tokenizer over 'w0'..'w127') for the CLI."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(128)}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="w1", pad_token=f"w{PAD}").save_pretrained(path)
+    model.save_pretrained(path)
+    return path
+
+
+def test_cli_plan_on_a_tiny_local_model(llama, tmp_path):
+    import subprocess
+
+    d = _tiny_model_dir(tmp_path / "tiny", llama)
+    prompt = " ".join(f"w{t}" for t in repeated([11, 42, 7, 93], 13))
+    r = subprocess.run([sys.executable, "-m", "specgraph.cli", "plan", str(d), "--prompt", prompt, "--backend", "eager",
+                        "--grid", "1,2,3", "--batch-sizes", "1,2", "--measure-depths", "1,2", "--max-new-tokens", "12",
+                        "--repeats", "1", "--out", str(tmp_path / "plan")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "best γ" in r.stdout and "[plan] cost" in r.stderr
+    p = Plan.load(tmp_path / "plan")
+    assert set(p.recommended) == {1, 2} and set(p.measured[1]) == {1, 2}
+    bad = subprocess.run([sys.executable, "-m", "specgraph.cli", "plan", str(d), "--grid", "0,2"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--grid" in bad.stderr
