@@ -743,10 +743,11 @@ class SpecGraphModel:
             if bool((matched * active).any()):  # host sync: which graph runs depends on it
                 return k, drafts, None
         if self.draft == "suffix":  # the best path of the suffix tree as a chain, in the smallest depth that holds it
-            # under a policy the round's depth k caps the chain; the ladder's depths below it hold shorter ones
-            kmax, ladder = (k, sorted({d for d in self.k_ladder if d <= k} | {k})) if self.policy is not None \
-                else (self.k, self.k_ladder)
-            out = suffix_chain_drafts(suffix_chains(self._sessions, kmax), ladder, root, active.tolist())
+            # the round's depth k (the ladder's current rung, or the policy's choice) caps the chain: a
+            # suffix seen once scores 1.0 all along, so its length alone would always ask for the
+            # deepest graph; the ladder's depths below k hold shorter chains
+            ladder = sorted({d for d in self.k_ladder if d <= k} | {k})
+            out = suffix_chain_drafts(suffix_chains(self._sessions, k), ladder, root, active.tolist())
             if out is not None:
                 return (*out, None)
         return 0, hist[:, :0], None

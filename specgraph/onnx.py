@@ -311,13 +311,13 @@ class OnnxSpecGenerator:
         """Model-free chain drafts for this round: (k, drafts [B, k], whether some live row has a
         proposal; without one the compiler takes a plain step). The compiler's rules
         (SpecGraphModel._propose): prompt lookup drafts k_now tokens (the depth ladder), suffix
-        decoding the best path of each row's suffix tree in the smallest ladder depth that holds
-        the longest (:func:`specgraph.compiler.suffix_chain_drafts`)."""
+        decoding the best path of each row's suffix tree, at most k_now tokens, in the smallest
+        ladder depth that holds the longest (:func:`specgraph.compiler.suffix_chain_drafts`)."""
         if self.draft == "ngram":
             d, matched = ngram_propose(hist, L + 1, k_now, self.manifest["ngram"]["max"], self.manifest["ngram"]["min"])
             return k_now, d, bool((matched * active).any())
-        chains = suffix_chains(sessions, self.num_speculative_tokens, self._suffix_min_score)
-        out = suffix_chain_drafts(chains, ladder, root, active.tolist())
+        chains = suffix_chains(sessions, k_now, self._suffix_min_score)
+        out = suffix_chain_drafts(chains, [d for d in ladder if d <= k_now], root, active.tolist())
         if out is None:  # only used without a plain graph: the smallest depth, all root repeats (rejected)
             return ladder[0], root.unsqueeze(1).repeat(1, ladder[0]), False
         return (*out, True)
