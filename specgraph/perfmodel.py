@@ -382,3 +382,28 @@ def recommend_gamma(profile: AcceptanceProfile, cost: CostModel, b: int = 1, dep
         if s > best_s * (1 + 1e-12):
             best, best_s = g, s
     return best
+
+
+def predicted_workload_speedup(rows, cost: CostModel, gamma: int, b: int = 1) -> float:
+    """Speedup of depth γ for a workload of sequences served in consecutive *static* batches of b
+    rows (the sequence list cycled to fill the last batch; no sequence joins a running batch).
+    ``rows``: (AcceptanceProfile, new tokens) per sequence.
+
+    A static batch runs until its slowest row is done, so heterogeneous rows cost more than the
+    per-round model says: row i needs about n_i / E_i(γ) rounds, the batch max_i of that, against
+    max_i n_i plain rounds; a round drafts when any row drafts (1 - Π_i (1 - p_i))."""
+    rows = list(rows)
+    if not rows:
+        raise ValueError("a workload needs at least one sequence")
+    if gamma == 0:
+        return 1.0
+    t0, tg = cost.round_cost(0, b), cost.round_cost(gamma, b)
+    plain = spec = 0.0
+    for start in range(0, len(rows), b):
+        batch = [rows[(start + j) % len(rows)] for j in range(b)]
+        n_max = max(n for _, n in batch)
+        rounds = max(n / prof.expected_emitted(gamma) for prof, n in batch)
+        p_round = 1.0 - math.prod(1.0 - prof.draft_rate for prof, _ in batch)
+        plain += n_max * t0
+        spec += rounds * (p_round * tg + (1.0 - p_round) * t0)
+    return plain / spec

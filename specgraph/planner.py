@@ -11,7 +11,7 @@
    lookup's proposal per round; other host-side drafters count as free;
 3. the acceptance profile: a short greedy run of each sample prompt at a fixed depth, read from
    ``fast.stats`` (accepted and drafted row-rounds per position);
-4. measured speedups: the sample prompts as one batch of B rows, plain and at several fixed
+4. measured speedups: the sample prompts in batches of B rows, plain and at several fixed
    depths, tokens per second (the plain run also gives the loop's host time per round).
 
 From these it predicts the speedup of every depth at every batch size, recommends the best
@@ -29,19 +29,27 @@ from pathlib import Path
 
 import torch
 
-from specgraph.perfmodel import AcceptanceProfile, CostCurve, CostModel, predicted_speedup, recommend_gamma
+from specgraph.perfmodel import (AcceptanceProfile, CostCurve, CostModel, predicted_speedup, predicted_workload_speedup,
+                                 recommend_gamma)
 
 DEFAULT_GRID = (1, 2, 3, 5, 9, 17, 33, 65)  # N query tokens per row = depths 0, 1, 2, 4, ..., 64
 DEFAULT_MEASURE_DEPTHS = (1, 2, 4, 8)
 
 
 class Plan:
-    """What :func:`plan` measured and recommends; JSON round trip via :meth:`save` / :meth:`load`."""
+    """What :func:`plan` measured and recommends; JSON round trip via :meth:`save` / :meth:`load`.
+
+    ``profile`` pools the sample prompts' acceptance (what ``"auto"`` starts new rows from);
+    ``rows`` keeps each prompt's own (profile, new tokens): predictions for the sample workload
+    served in static batches (:func:`~specgraph.perfmodel.predicted_workload_speedup`, slowest row
+    first) use them, and the recommendation is the depth that serves that workload fastest."""
 
     def __init__(self, cost: CostModel, profile: AcceptanceProfile, recommended: dict[int, int],
                  predicted: dict[int, dict[int, float]], measured: dict[int, dict[int, float]] | None = None,
-                 samples: list | None = None, meta: dict | None = None):
+                 samples: list | None = None, meta: dict | None = None, rows=None):
         self.cost, self.profile = cost, profile
+        self.rows = [(p if isinstance(p, AcceptanceProfile) else AcceptanceProfile.from_dict(p), int(n))
+                     for p, n in (rows or [])]
         self.recommended = {int(b): int(g) for b, g in recommended.items()}
         self.predicted = {int(b): {int(g): float(s) for g, s in row.items()} for b, row in predicted.items()}
         self.measured = {int(b): {int(g): float(s) for g, s in row.items()} for b, row in (measured or {}).items()}
@@ -50,15 +58,27 @@ class Plan:
 
     @classmethod
     def from_measurements(cls, cost: CostModel, profile: AcceptanceProfile, batch_sizes, depths, measured=None,
-                          samples=None, meta=None) -> "Plan":
+                          samples=None, meta=None, rows=None) -> "Plan":
         """Fit-side of :func:`plan`: recommend over ``depths`` (and 0) and tabulate predictions."""
         depths = sorted({0, *(int(d) for d in depths)})
-        rec = {b: recommend_gamma(profile, cost, b, depths) for b in batch_sizes}
-        shown = sorted({*depths, *rec.values(), *(g for row in (measured or {}).values() for g in row)})
-        pred = {b: {g: predicted_speedup(profile, cost, g, b) for g in shown} for b in batch_sizes}
-        return cls(cost, profile, rec, pred, measured, samples, meta)
+        p = cls(cost, profile, {}, {}, measured, samples, meta, rows)
+        for b in batch_sizes:
+            s = {g: p.speedup(g, b) for g in depths}
+            p.recommended[b] = max(depths, key=lambda g: (s[g] > 1.0 + 1e-12, s[g], -g)) if max(s.values()) > 1 else 0
+        shown = sorted({*depths, *(g for row in p.measured.values() for g in row)})
+        p.predicted = {b: {g: p.speedup(g, b) for g in shown} for b in batch_sizes}
+        return p
 
     def speedup(self, gamma: int, batch: int = 1) -> float:
+        """Predicted speedup of depth γ at batch B: for the sample workload in static batches when
+        per-prompt measurements exist, else the steady-state per-round model."""
+        if self.rows:
+            return predicted_workload_speedup(self.rows, self.cost, gamma, batch)
+        return self.steady_speedup(gamma, batch)
+
+    def steady_speedup(self, gamma: int, batch: int = 1) -> float:
+        """The per-round model (:func:`~specgraph.perfmodel.predicted_speedup`) with the pooled
+        profile: rows i.i.d., batches kept full (what ``"auto"`` optimises each round)."""
         return predicted_speedup(self.profile, self.cost, gamma, batch)
 
     def errors(self) -> dict[int, dict[int, float]]:
@@ -90,6 +110,7 @@ class Plan:
             "predicted": {str(b): {str(g): s for g, s in row.items()} for b, row in self.predicted.items()},
             "measured": {str(b): {str(g): s for g, s in row.items()} for b, row in self.measured.items()},
             "errors": {str(b): {str(g): e for g, e in row.items()} for b, row in self.errors().items()},
+            "rows": [{"profile": p.to_dict(), "new_tokens": n} for p, n in self.rows],
             "samples": self.samples,
         }
 
@@ -101,7 +122,7 @@ class Plan:
                    {int(b): g for b, g in d["recommended"].items()},
                    {int(b): {int(g): s for g, s in row.items()} for b, row in d["predicted"].items()},
                    {int(b): {int(g): s for g, s in row.items()} for b, row in d.get("measured", {}).items()},
-                   d.get("samples"), d.get("meta"))
+                   d.get("samples"), d.get("meta"), [(r["profile"], r["new_tokens"]) for r in d.get("rows", [])])
 
     def save(self, out_dir, plot: bool = True) -> dict[str, Path | None]:
         """Write ``plan.json`` and (when matplotlib is installed) ``plan.png`` into ``out_dir``."""
@@ -287,11 +308,12 @@ def measure_draft_costs(fast, batch_sizes, context: int, repeats: int = 5, progr
 
 @torch.no_grad()
 def measure_acceptance(fast, rows, depth: int, max_new_tokens: int, eos_token_id=None, pad_token_id=None,
-                       progress=True) -> AcceptanceProfile:
-    """Each prompt alone, greedy, at a fixed depth: survival per position from ``fast.stats``."""
+                       progress=True) -> tuple[AcceptanceProfile, list]:
+    """Each prompt alone, greedy, at a fixed depth: survival per position from ``fast.stats``,
+    pooled over the prompts, and per prompt (with its number of new tokens)."""
     from specgraph.adaptive import forced_depth
 
-    acc, drafted, row_rounds = [], [], 0
+    acc, drafted, row_rounds, per_prompt = [], [], 0, []
     for i, r in enumerate(rows):
         ids = torch.tensor([r], device=next(fast.model.parameters()).device)
         with forced_depth(fast, depth):
@@ -302,43 +324,54 @@ def measure_acceptance(fast, rows, depth: int, max_new_tokens: int, eos_token_id
             for j, v in enumerate(new):
                 lst[j] += v
         row_rounds += st.row_rounds
+        per_prompt.append((AcceptanceProfile.from_counts(st.accepted_at, st.drafted_at, st.row_rounds), st.emitted))
         _say(progress, f"acceptance {i + 1}/{len(rows)} at depth {depth}: {st.mean_emitted:.2f} tokens per round")
-    return AcceptanceProfile.from_counts(acc, drafted, row_rounds)
+    return AcceptanceProfile.from_counts(acc, drafted, row_rounds), per_prompt
 
 
 @torch.no_grad()
 def measure_speedups(fast, rows, batch_sizes, depths, max_new_tokens: int, runs: int = 1, eos_token_id=None,
                      pad_token_id=None, progress=True) -> tuple[dict, dict]:
-    """({B: {γ: tokens/s at γ over tokens/s plain}}, {B: seconds per plain round}): the prompts
-    cycled into a batch of B rows, each depth warmed up once (compiles), then the median of ``runs``."""
+    """({B: {γ: tokens/s at γ over tokens/s plain}}, {B: seconds per plain round}). At batch B the
+    prompts run as consecutive batches of B rows (cycled to fill the last one, and to fill B when
+    there are fewer prompts), so every B sees every prompt, like the acceptance run; each depth is
+    warmed up once (compiles), then the median of ``runs`` over the whole set."""
     from specgraph.adaptive import forced_depth
 
     device = next(fast.model.parameters()).device
     pad = pad_token_id if pad_token_id is not None else 0
     speed, plain_round = {}, {}
     for B in batch_sizes:
-        ids, mask = _left_pad([rows[i % len(rows)] for i in range(B)], pad)
-        ids, mask = ids.to(device), mask.to(device)
+        n_batches = -(-len(rows) // B)
+        batches = []
+        for i in range(n_batches):
+            ids, mask = _left_pad([rows[(i * B + j) % len(rows)] for j in range(B)], pad)
+            batches.append((ids.to(device), mask.to(device)))
         tps, ref = {}, None
         for g in [0, *depths]:
             def run():
+                outs, tokens, rounds = [], 0, 0
                 with forced_depth(fast, g):
-                    return fast.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                         eos_token_id=eos_token_id, pad_token_id=pad)
+                    for ids, mask in batches:
+                        outs.append(fast.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                                  eos_token_id=eos_token_id, pad_token_id=pad))
+                        tokens, rounds = tokens + fast.stats.emitted, rounds + fast.stats.rounds
+                return outs, tokens, rounds
             run()  # warm-up: compiles this depth's graphs
             vals, per_round = [], []
             for _ in range(runs):
                 t0 = time.perf_counter()
-                out = run()
+                outs, tokens, rounds = run()
                 dt = time.perf_counter() - t0
-                vals.append(fast.stats.emitted / dt)
-                per_round.append(dt / max(fast.stats.rounds, 1))
+                vals.append(tokens / dt)
+                per_round.append(dt / max(rounds, 1))
             tps[g] = statistics.median(vals)
             if g == 0:
-                ref, plain_round[B] = out, statistics.median(per_round)
-            elif not torch.equal(out, ref):
+                ref, plain_round[B] = outs, statistics.median(per_round)
+            elif not all(torch.equal(a, b) for a, b in zip(outs, ref)):
                 raise AssertionError(f"greedy output at depth {g} differs from plain decoding (batch {B}): a bug")
-            _say(progress, f"measured B={B} γ={g}: {tps[g]:.1f} tokens/s, {fast.stats.mean_emitted:.2f} per round")
+            _say(progress, f"measured B={B} γ={g}: {tps[g]:.1f} tokens/s, {tokens / max(rounds, 1) / B:.2f} "
+                           "tokens per row per round")
         speed[B] = {g: tps[g] / tps[0] for g in depths}
     return speed, plain_round
 
@@ -380,9 +413,10 @@ def plan(fast, prompts, *, batch_sizes=None, grid=DEFAULT_GRID, max_new_tokens: 
     draft_step, draft_round = measure_draft_costs(fast, batch_sizes, context, repeats, progress) if speculative else ({}, {})
     if speculative:
         pdepth = profile_depth or max(measure_depths or [max(grid) - 1])
-        profile = measure_acceptance(fast, rows, pdepth, max_new_tokens, eos_token_id, pad_token_id, progress)
+        profile, per_prompt = measure_acceptance(fast, rows, pdepth, max_new_tokens, eos_token_id, pad_token_id,
+                                                 progress)
     else:
-        profile = AcceptanceProfile([0.0], 0.0)
+        profile, per_prompt = AcceptanceProfile([0.0], 0.0), []
     measured, plain_round = ({}, {})
     if measure_batch_sizes and speculative:
         measured, plain_round = measure_speedups(fast, rows, measure_batch_sizes, measure_depths, max_new_tokens, runs,
@@ -401,4 +435,4 @@ def plan(fast, prompts, *, batch_sizes=None, grid=DEFAULT_GRID, max_new_tokens: 
     }
     depths = range(0, max(grid)) if speculative else [0]  # γ + 1 <= the largest measured N: no extrapolation
     return Plan.from_measurements(cost, profile, batch_sizes, depths, measured,
-                                  [list(s) for s in samples], info)
+                                  [list(s) for s in samples], info, per_prompt)

@@ -298,3 +298,19 @@ def test_recommendation_turns_off_at_high_batch_and_low_acceptance():
     assert recommend_gamma(AcceptanceProfile.from_beta(0.9), cost, 1) > 0
     assert recommend_gamma(AcceptanceProfile.from_beta(0.8), cost, 64) == 0
     assert recommend_gamma(AcceptanceProfile.from_beta(0.05), cost, 1) == 0
+
+
+def test_workload_speedup_static_batches():
+    from specgraph.perfmodel import predicted_workload_speedup
+
+    cost = CostModel(LinearCost(1.0, 0.05), draft_step={1: 0.02, 4: 0.05})
+    prof = AcceptanceProfile.from_beta(0.7)
+    # identical rows that always draft: no straggler, the steady-state per-round model
+    for b in (1, 4):
+        assert predicted_workload_speedup([(prof, 64)] * 4, cost, 3, b) == pytest.approx(predicted_speedup(prof, cost, 3, b))
+    # one hard row in a batch of 4: the batch waits for it; alone (B=1) the easy rows still gain
+    rows = [(AcceptanceProfile.from_beta(0.9), 64)] * 3 + [(AcceptanceProfile.from_beta(0.1), 64)]
+    s4 = predicted_workload_speedup(rows, cost, 4, 4)
+    assert s4 == pytest.approx(AcceptanceProfile.from_beta(0.1).expected_emitted(4) * cost.round_cost(0, 4) / cost.round_cost(4, 4))
+    assert predicted_workload_speedup(rows, cost, 4, 1) > s4
+    assert predicted_workload_speedup(rows, cost, 0, 4) == 1.0
