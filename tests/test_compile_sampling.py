@@ -200,3 +200,17 @@ def test_negative_control_eagle_argmax_drafts_reported_as_sampled_is_rejected(ta
     assert calls, "the mutation was not exercised"
     p = gof_pvalue(counts, exact_law(target, settings))
     assert p < ALPHA, f"negative control not detected: p = {p:.3g}"
+
+
+@pytest.mark.parametrize("draft_kind, settings", [("model", SETTINGS[1]), ("ngram-tree", SETTINGS[0])],
+                         ids=["model-T0.7-top4", "ngram-tree-T1"])
+def test_sampled_law_with_the_inductor_backend(target, draft, draft_kind, settings):
+    """The same law through torch.compile'd rounds (fused warping + verification lowered by
+    Inductor, temperature a graph input), not only the eager graphs above."""
+    kind, tree = (draft_kind, None) if draft_kind == "model" else ("ngram", TREE)
+    fast = specgraph.compile(target, draft if kind == "model" else kind, num_speculative_tokens=2, tree=tree,
+                             backend="inductor", max_batch_size=BATCH, max_seq_len=32)
+    counts = sampled_counts(fast, settings, seed=100 + len(draft_kind))
+    p = gof_pvalue(counts, exact_law(target, settings))
+    assert p > ALPHA, f"inductor draft={draft_kind} {settings}: chi-square p = {p:.2e}"
+    assert 0 < fast.stats.accepted < fast.stats.drafted
