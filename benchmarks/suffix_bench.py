@@ -111,6 +111,14 @@ def main(argv=None) -> int:
             outs.append(out)
         return new / secs, (new / rounds if rounds else None), outs
 
+    meta = {"torch": torch.__version__, "max_new_tokens": N, "runs": args.runs, "k": args.k,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "calls": {w: len(c) for w, c in workloads.items()}}
+
+    def write(rows):  # after every workload and setting: a long run that is stopped keeps what it measured
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
     rows = []
     with torch.no_grad():
         for wname in args.workloads.split(","):
@@ -145,11 +153,8 @@ def main(argv=None) -> int:
                     em = "-" if per_round[name] is None else f"{per_round[name]:.2f}"
                     print(f"{wname:<10} {sname:<6} {name:<28} {med:7.1f} tok/s {med / base:6.2f}x HF plain "
                           f"{med / ngram:5.2f}x sg ngram  emitted/round {em:>5}  equal={equal}", flush=True)
-    meta = {"torch": torch.__version__, "max_new_tokens": N, "runs": args.runs, "k": args.k,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "calls": {w: len(c) for w, c in workloads.items()}}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                write(rows)
+    write(rows)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
