@@ -376,6 +376,17 @@ def measure_speedups(fast, rows, batch_sizes, depths, max_new_tokens: int, runs:
     return speed, plain_round
 
 
+def measure_cost_model(fast, batch_sizes, grid, context: int, repeats: int = 5, progress=True) -> tuple[CostModel, list]:
+    """The cost side of :func:`plan` alone: t(N, B) fitted from compiled rounds plus the draft's
+    costs, as a :class:`~specgraph.perfmodel.CostModel` (no loop overhead: that needs end-to-end
+    runs), and the raw (B, N, seconds) samples. Enough for ``"auto"``, which learns acceptance
+    online: ``fast.policy.cost = measure_cost_model(fast, ...)[0]``."""
+    samples = measure_round_costs(fast, batch_sizes, grid, context, repeats, progress)
+    draft_step, draft_round = measure_draft_costs(fast, batch_sizes, context, repeats, progress) \
+        if fast.draft is not None else ({}, {})
+    return CostModel(CostCurve.fit(samples), draft_step, draft_round), samples
+
+
 def plan(fast, prompts, *, batch_sizes=None, grid=DEFAULT_GRID, max_new_tokens: int = 48, repeats: int = 5,
          measure_depths=DEFAULT_MEASURE_DEPTHS, measure_batch_sizes=(1,), profile_depth: int | None = None,
          runs: int = 1, eos_token_id=None, pad_token_id=None, progress=True, meta: dict | None = None) -> Plan:
@@ -409,8 +420,7 @@ def plan(fast, prompts, *, batch_sizes=None, grid=DEFAULT_GRID, max_new_tokens: 
     t_start = time.perf_counter()
     _say(progress, f"measuring t(N, B) for N in {grid}, B in {batch_sizes} ({len(grid) * len(batch_sizes)} graphs, "
                    "each compiled on first use)")
-    samples = measure_round_costs(fast, batch_sizes, grid, context, repeats, progress)
-    draft_step, draft_round = measure_draft_costs(fast, batch_sizes, context, repeats, progress) if speculative else ({}, {})
+    base, samples = measure_cost_model(fast, batch_sizes, grid, context, repeats, progress)
     if speculative:
         pdepth = profile_depth or max(measure_depths or [max(grid) - 1])
         profile, per_prompt = measure_acceptance(fast, rows, pdepth, max_new_tokens, eos_token_id, pad_token_id,
@@ -421,10 +431,9 @@ def plan(fast, prompts, *, batch_sizes=None, grid=DEFAULT_GRID, max_new_tokens: 
     if measure_batch_sizes and speculative:
         measured, plain_round = measure_speedups(fast, rows, measure_batch_sizes, measure_depths, max_new_tokens, runs,
                                                  eos_token_id, pad_token_id, progress)
-    curve = CostCurve.fit(samples)
     # the loop's own host time per round: the plain runs' wall time per round minus the graph's
-    overhead = {b: max(0.0, plain_round[b] - curve(1, b)) for b in plain_round}
-    cost = CostModel(curve, draft_step, draft_round, overhead)
+    overhead = {b: max(0.0, plain_round[b] - base.target(1, b)) for b in plain_round}
+    cost = CostModel(base.target, base.draft_step, base.draft_round, overhead)
     info = {
         "model": type(fast.model).__name__, "params": sum(p.numel() for p in fast.model.parameters()),
         "draft": fast.draft, "backend": fast.backend, "device": str(next(fast.model.parameters()).device),

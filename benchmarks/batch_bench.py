@@ -1,0 +1,293 @@
+"""Batch throughput with speculation off, at fixed depths γ, and with ``num_speculative_tokens="auto"``
+(issue 6), for B = 1, 2, 4, 8, 16, 32.
+
+Workloads (each a list of prompts cycled into static batches of B rows; all rows generate
+--max-new-tokens greedily, EOS disabled so every method produces the same number of tokens):
+
+* ``smollm2-ngram``: SmolLM2-135M-Instruct (``specgraph.models.load_model("default")``, fp32), the
+  package's sample prompts (``specgraph.cli.BENCH_PROMPTS``) with prompt lookup drafts;
+* ``llama1b-replay-β``: a random-weight Llama of about 1.1B parameters (``LlamaConfig`` built here,
+  fp32) on seeded random prompts, drafted by :class:`specgraph.drafters.ReplayDrafter`: the
+  target's own greedy continuation (HF ``generate``, once per prompt), each token corrupted with
+  probability 1 - β, so acceptance is i.i.d. β per position. All β share one compiled object.
+
+Per workload one compiled object serves every method (same graphs; ``specgraph.adaptive.forced_depth``
+pins the depth for "off" and "γ=k"); "auto" chooses among the fixed depths and 0, with a cost
+model measured on that object first (``specgraph.planner.measure_cost_model``; acceptance is
+learned online). Throughput = new tokens summed over the batch / wall time, median of --runs after
+a warm-up run (which compiles). Every method's output is checked against "off" (greedy: equal).
+
+Targets (issue 6): auto >= 0.95 x max(off, best fixed γ) at every B; auto >= 0.90 x best fixed γ at B = 1.
+
+    python benchmarks/batch_bench.py --out benchmarks/results/batch_cpu.json         # full run: hours on 2 CPU cores
+    python benchmarks/batch_bench.py --smoke --out /tmp/batch_smoke.json              # tiny models, B in 1,2
+
+Memory: ``--freeze`` gives every compiled graph its own prepacked weight copy (1B fp32: 4.4 GB
+each), so it is off by default.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import specgraph
+from specgraph.adaptive import forced_depth
+from specgraph.drafters import ReplayDrafter
+from specgraph.planner import measure_cost_model
+
+
+def say(msg: str) -> None:
+    print(f"[batch_bench] {msg}", file=sys.stderr, flush=True)
+
+
+def llama_1b(smoke: bool):
+    """Random-weight Llama: ~1.1B parameters (TinyLlama's shape) or, for --smoke, a tiny one."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    if smoke:
+        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    else:
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                          num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def smollm2(smoke: bool):
+    """(model, token-id prompts): SmolLM2 with its chat template, or a tiny random Llama on
+    repetitive prompts for --smoke (prompt lookup then finds matches)."""
+    if smoke:
+        model = llama_1b(True)
+        g = torch.Generator().manual_seed(1)
+        prompts = []
+        for i in range(4):
+            pattern = torch.randint(2, 120, (2 + i,), generator=g).tolist()
+            prompts.append((pattern * 20)[: 12 + 3 * i])
+        return model, prompts
+    from specgraph.cli import BENCH_PROMPTS
+    from specgraph.models import load_model
+
+    model, tok = load_model("default")
+    prompts = []
+    for text in BENCH_PROMPTS.values():
+        enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt")
+        prompts.append((enc if isinstance(enc, torch.Tensor) else enc["input_ids"])[0].tolist())
+    return model, prompts
+
+
+def random_prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def left_pad(rows, pad):
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, T - len(r):] = torch.tensor(r)
+        mask[b, T - len(r):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def run_batches(fast, batches, max_new_tokens, pad, method, gamma):
+    """All batches once under ``method``: (outputs, new tokens, rounds, depth histogram)."""
+    outs, tokens, rounds, depths = [], 0, 0, {}
+    ctx = forced_depth(fast, 0 if method == "off" else gamma) if method != "auto" else None
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        for ids, mask in batches:
+            outs.append(fast.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                      eos_token_id=[], pad_token_id=pad))
+            tokens += fast.stats.emitted
+            rounds += fast.stats.rounds
+            for d in fast.policy.trace:
+                depths[d] = depths.get(d, 0) + 1
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return outs, tokens, rounds, depths
+
+
+def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
+    rows = []
+    pad = 0
+    for B in batch_sizes:
+        n_batches = max(1, -(-len(prompts) // B))
+        batches = [left_pad([prompts[(i * B + j) % len(prompts)] for j in range(B)], pad) for i in range(n_batches)]
+        methods = [("off", 0)] + [(f"gamma={g}", g) for g in gammas] + [("auto", None)]
+        ref, results = None, {}
+        for method, g in methods:
+            kind = "fixed" if method.startswith("gamma") else method
+            t0 = time.perf_counter()
+            run_batches(fast, batches, args.max_new_tokens, pad, kind, g)  # warm-up (compiles)
+            say(f"{name} B={B} {method}: warm-up {time.perf_counter() - t0:.1f} s")
+            tps, last = [], None
+            for _ in range(args.runs):
+                t0 = time.perf_counter()
+                last = run_batches(fast, batches, args.max_new_tokens, pad, kind, g)
+                tps.append(last[1] / (time.perf_counter() - t0))
+            outs, tokens, rounds, hist = last
+            if ref is None:
+                ref = outs
+            equal = all(torch.equal(a, b) for a, b in zip(outs, ref))
+            results[method] = statistics.median(tps)
+            rows.append({"workload": name, **(extra or {}), "batch": B, "method": method, "gamma": g,
+                         "tokens_per_s": results[method], "runs": tps, "new_tokens": tokens,
+                         "tokens_per_row_round": tokens / max(rounds, 1) / B, "depths": hist, "equal_to_off": equal})
+            say(f"{name} B={B} {method}: {results[method]:.1f} tok/s, {rows[-1]['tokens_per_row_round']:.2f} "
+                f"per row per round, depths {dict(sorted(hist.items()))}, equal={equal}")
+        best_fixed = max(results[f"gamma={g}"] for g in gammas)
+        for r in rows[-len(methods):]:
+            r["ratio_vs_off"] = r["tokens_per_s"] / results["off"]
+        rows[-1]["auto_vs_best_of_off_and_fixed"] = results["auto"] / max(results["off"], best_fixed)
+        rows[-1]["auto_vs_best_fixed"] = results["auto"] / best_fixed
+    return rows
+
+
+def summary(rows) -> list[dict]:
+    out = []
+    for r in rows:
+        if r["method"] != "auto":
+            continue
+        ok_any = r["auto_vs_best_of_off_and_fixed"] >= 0.95
+        ok_b1 = r["batch"] != 1 or r["auto_vs_best_fixed"] >= 0.90
+        out.append({"workload": r["workload"], "batch": r["batch"], "auto_vs_best": r["auto_vs_best_of_off_and_fixed"],
+                    "auto_vs_best_fixed": r["auto_vs_best_fixed"], "meets_targets": bool(ok_any and ok_b1)})
+    return out
+
+
+def plot(rows, path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("matplotlib is not installed: no PNG (pip install 'specgraph[plot]'); the JSON has every number")
+        return None
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    cols = min(3, len(names))
+    nrows = -(-len(names) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.8 * nrows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        sub = [r for r in rows if r["workload"] == name]
+        for i, method in enumerate(dict.fromkeys(r["method"] for r in sub)):
+            pts = sorted((r["batch"], r["tokens_per_s"]) for r in sub if r["method"] == method)
+            style = dict(linewidth=2.5, color="black") if method == "auto" else dict(color=f"C{i}")
+            ax.plot([b for b, _ in pts], [t for _, t in pts], "o-", label=method, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel("tokens/s (summed over the batch)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def ints(v):
+    return [int(x) for x in v.split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny random models, B in 1,2, few tokens, eager backend")
+    ap.add_argument("--models", default="smollm2,llama1b", help="workload families: smollm2, llama1b")
+    ap.add_argument("--batch-sizes", type=ints, default=None, help="default 1,2,4,8,16,32 (smoke: 1,2)")
+    ap.add_argument("--gammas", type=ints, default=None, help="fixed depths, also auto's depth set (default 2,4,8)")
+    ap.add_argument("--betas", type=lambda v: [float(x) for x in v.split(",")], default=None,
+                    help="replay acceptance rates for llama1b (default 0.3,0.6,0.9)")
+    ap.add_argument("--prompts-1b", type=int, default=8, help="distinct random prompts for llama1b (cycled to fill B)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (smoke: 12)")
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--backend", default=None, help="inductor or eager (default inductor; smoke: eager)")
+    ap.add_argument("--freeze", action="store_true", help="Inductor freezing (a weight copy per graph)")
+    ap.add_argument("--cost-repeats", type=int, default=3, help="timed calls per (N, B) of the cost curve")
+    ap.add_argument("--out", default="benchmarks/results/batch_bench.json")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    batch_sizes = args.batch_sizes or ([1, 2] if smoke else [1, 2, 4, 8, 16, 32])
+    gammas = sorted(set(args.gammas or [2, 4, 8]))
+    betas = args.betas or ([0.5] if smoke else [0.3, 0.6, 0.9])
+    args.max_new_tokens = args.max_new_tokens or (12 if smoke else 64)
+    backend = args.backend or ("eager" if smoke else "inductor")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    max_b = max(batch_sizes)
+    tag = "tiny-" if smoke else ""  # smoke runs stand tiny random models in for both families
+    rows, meta_models = [], {}
+    t_start = time.perf_counter()
+
+    def compiled(model, draft, prompts):
+        longest = max(len(p) for p in prompts) + args.max_new_tokens + max(gammas) + 2
+        fast = specgraph.compile(model, draft, num_speculative_tokens="auto", depths=gammas, backend=backend,
+                                 max_batch_size=max_b, max_seq_len=max(longest, 64), freeze=args.freeze)
+        say(f"measuring the cost curve for auto (B in {batch_sizes}, depths {gammas})")
+        context = max(len(p) for p in prompts) + args.max_new_tokens // 2
+        cost, samples = measure_cost_model(fast, batch_sizes, [1] + [g + 1 for g in gammas], context,
+                                           args.cost_repeats, progress=True)
+        fast.policy.cost = cost
+        return fast, cost
+
+    for fam in models:
+        if fam == "smollm2":
+            model, prompts = smollm2(smoke)
+            fast, cost = compiled(model, "ngram", prompts)
+            meta_models[fam] = {"params": sum(p.numel() for p in model.parameters()), "prompts": len(prompts),
+                                "cost": cost.to_dict()}
+            rows += bench_workload(f"{tag}{fam}-ngram", fast, prompts, args, batch_sizes, gammas)
+        elif fam == "llama1b":
+            model = llama_1b(smoke)
+            V = model.config.vocab_size
+            prompts = random_prompts(V, 4 if smoke else args.prompts_1b, 8 if smoke else 32, 16 if smoke else 64, seed=2)
+            t0 = time.perf_counter()
+            replay = ReplayDrafter.from_model(model, prompts, args.max_new_tokens, beta=betas[0], seed=0, eos_token_id=[])
+            say(f"replay continuations (HF greedy generate) in {time.perf_counter() - t0:.1f} s")
+            fast, cost = compiled(model, replay, prompts)
+            meta_models[fam] = {"params": sum(p.numel() for p in model.parameters()), "prompts": len(prompts),
+                                "cost": cost.to_dict(), "config": model.config.to_dict() if not smoke else "tiny"}
+            for beta in betas:
+                replay.beta = beta  # read at every generate call's start: one compiled object for every β
+                rows += bench_workload(f"{tag}{fam}-replay-{beta:g}", fast, prompts, args, batch_sizes, gammas,
+                                       {"beta": beta})
+        else:
+            ap.error(f"unknown model family {fam!r} (smollm2, llama1b)")
+    summ = summary(rows)
+    print(f"\n{'workload':<24} {'B':>3} {'off':>8} " + " ".join(f"{'γ=' + str(g):>8}" for g in gammas)
+          + f" {'auto':>8} {'auto/best':>10}")
+    for s in summ:
+        sub = {r["method"]: r["tokens_per_s"] for r in rows if r["workload"] == s["workload"] and r["batch"] == s["batch"]}
+        print(f"{s['workload']:<24} {s['batch']:>3} {sub['off']:8.1f} " + " ".join(f"{sub[f'gamma={g}']:8.1f}" for g in gammas)
+              + f" {sub['auto']:8.1f} {s['auto_vs_best']:9.2f}x" + ("" if s["meets_targets"] else "  (target missed)"))
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "backend": backend, "freeze": args.freeze,
+            "smoke": smoke, "batch_sizes": batch_sizes, "gammas": gammas, "betas": betas,
+            "max_new_tokens": args.max_new_tokens, "runs": args.runs, "models": meta_models,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "seconds": time.perf_counter() - t_start}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "summary": summ, "rows": rows}, f, indent=1)
+    png = plot(rows, os.path.splitext(args.out)[0] + ".png")
+    say(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    if not all(r["equal_to_off"] for r in rows):
+        say("ERROR: some method's greedy output differs from speculation off")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
