@@ -226,6 +226,16 @@ def test_inductor_llama_ngram_batch2():
     assert torch.equal(out2, ref)
 
 
+def test_inductor_autotune_plain_decoding_equals_hf():
+    """autotune=True: Inductor's GEMM template competes with the library GEMMs; greedy stays exact."""
+    model = tiny_model("llama")
+    fast = specgraph.compile(model, backend="inductor", max_batch_size=1, max_seq_len=32, autotune=True)
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10]])
+    ref = hf_generate(model, ids, mask, max_new_tokens=8)
+    assert_same(model, ids, mask, ref, sg_generate(fast, ids, mask, max_new_tokens=8), "inductor autotune")
+    assert fast.inductor_config["max_autotune"] and "CPP" in fast.inductor_config["max_autotune_gemm_backends"]
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. acceptance regression, and power of the equality test
 
