@@ -214,10 +214,15 @@ def next_k(ladder: list[int], k_now: int, k: int, n_live: list[int]) -> int:
     return k
 
 
-def suffix_chains(sessions, k: int, min_score: float = SUFFIX_MIN_SCORE) -> list[list[int]]:
+def suffix_chains(sessions, k: int, min_score: float = SUFFIX_MIN_SCORE, min_match: int = 1) -> list[list[int]]:
     """Per row (a :class:`SuffixSession` or None), the suffix tree's best path as a chain of at most
-    k tokens, cut where its estimated probability drops below ``min_score``."""
-    return [[] if s is None else s.propose(k, 1, depth_limit=k).best_chain(k, min_score) for s in sessions]
+    k tokens, cut where its estimated probability drops below ``min_score``; nothing when the
+    matched context suffix is shorter than ``min_match`` tokens."""
+    out = []
+    for s in sessions:
+        p = None if s is None else s.propose(k, 1, depth_limit=k)
+        out.append([] if p is None or p.match_len < min_match else p.best_chain(k, min_score))
+    return out
 
 
 def chain_depth(ladder: list[int], need: int) -> int:
