@@ -291,6 +291,10 @@ def test_min_score_cuts_chains_and_prunes_packed_trees():
     assert tokens[0, 1:len(kept)].tolist() == p.tokens[1:len(kept)]
     assert parents[0, :len(kept)].tolist() == p.parents[:len(kept)]
     assert pack_suffix_trees([sess], 1, 8, [True], 1.01) is None  # nothing clears the bar: a plain step
+    weak = ix.start([0, 7, 3])  # only the last token matches: no draft unless min_match allows one-token matches
+    assert weak.propose(8, 1).match_len == 1
+    assert suffix_chains([weak], 8) == [[]] and suffix_chains([weak], 8, min_match=1) == [[4, 5]]
+    assert pack_suffix_trees([weak], 1, 8, [True]) is None and pack_suffix_trees([weak], 1, 8, [True], min_match=1)
 
 
 @settings(derandomize=True, max_examples=60, deadline=None, database=None)
