@@ -74,6 +74,8 @@ def main(argv=None) -> int:
                     help="ngram tree as ';'-separated paths of ranks ('' = skip)")
     ap.add_argument("--prompts", default=",".join(PROMPTS))
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--autotune", action="store_true",
+                    help="compile every specgraph object with autotune=True (Inductor GEMM template vs MKL)")
     ap.add_argument("--draft-layers", type=int, default=6, help="layers of the truncated draft model (0 = skip)")
     ap.add_argument("--out", default="benchmarks/results/generate_bench.json")
     args = ap.parse_args(argv)
@@ -82,19 +84,22 @@ def main(argv=None) -> int:
     eos = model.generation_config.eos_token_id
     pad = model.generation_config.pad_token_id or eos
     N = args.max_new_tokens
-    sg_plain = specgraph.compile(model, None, backend=args.backend, max_batch_size=1, max_seq_len=1024)
+    sg_plain = specgraph.compile(model, None, backend=args.backend, max_batch_size=1, max_seq_len=1024,
+                                 autotune=args.autotune)
     sg_ngram = specgraph.compile(model, "ngram", num_speculative_tokens=args.k, backend=args.backend,
-                                 max_batch_size=1, max_seq_len=1024)
+                                 max_batch_size=1, max_seq_len=1024, autotune=args.autotune)
 
     sg_long = None if not args.k_long else specgraph.compile(
-        model, "ngram", num_speculative_tokens=args.k_long, backend=args.backend, max_batch_size=1, max_seq_len=1024)
+        model, "ngram", num_speculative_tokens=args.k_long, backend=args.backend, max_batch_size=1, max_seq_len=1024,
+        autotune=args.autotune)
     tree = [tuple(int(r) for r in p.split(",")) for p in args.tree.split(";")] if args.tree else None
     sg_tree = None if tree is None else specgraph.compile(
-        model, "ngram", tree=tree, backend=args.backend, max_batch_size=1, max_seq_len=1024)
+        model, "ngram", tree=tree, backend=args.backend, max_batch_size=1, max_seq_len=1024, autotune=args.autotune)
 
     draft = truncated_draft(model, args.draft_layers) if args.draft_layers else None
     sg_draft = None if draft is None else specgraph.compile(
-        model, draft, num_speculative_tokens=args.k, backend=args.backend, max_batch_size=1, max_seq_len=1024)
+        model, draft, num_speculative_tokens=args.k, backend=args.backend, max_batch_size=1, max_seq_len=1024,
+        autotune=args.autotune)
 
     def hf(ids, **kw):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
@@ -153,7 +158,7 @@ def main(argv=None) -> int:
                   f"equal={r['greedy_equal_hf']}", flush=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "max_new_tokens": N, "runs": args.runs,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "backend": args.backend, "tree": args.tree,
-            "k": args.k, "k_long": args.k_long, "draft_layers": args.draft_layers}
+            "k": args.k, "k_long": args.k_long, "draft_layers": args.draft_layers, "autotune": args.autotune}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
