@@ -39,7 +39,7 @@ import torch
 import specgraph
 from specgraph.adaptive import forced_depth
 from specgraph.drafters import ReplayDrafter
-from specgraph.planner import measure_cost_model
+from specgraph.planner import left_pad, measure_cost_model
 
 
 def say(msg: str) -> None:
@@ -88,16 +88,6 @@ def random_prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
-
-
-def left_pad(rows, pad):
-    T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), T, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, T - len(r):] = torch.tensor(r)
-        mask[b, T - len(r):] = 1
-    return ids, mask
 
 
 @torch.no_grad()

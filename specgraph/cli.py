@@ -75,6 +75,19 @@ def _quiet_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
 
 
+def _load_model_reporting(name):
+    """load_model(name) with the load time on stderr; a missing file exits with its one-line reason."""
+    from specgraph.models import load_model
+
+    print(f"loading {name} ...", file=sys.stderr)
+    try:
+        (model, tok), dt = _timed(lambda: load_model(name))
+    except FileNotFoundError as e:
+        _die(str(e))
+    print(f"loaded in {dt:.1f} s", file=sys.stderr)
+    return model, tok
+
+
 def _timed(fn):
     t0 = time.perf_counter()
     out = fn()
@@ -193,18 +206,12 @@ def _generate_jit(args) -> int:
     import torch
 
     import specgraph
-    from specgraph.models import load_model
 
     draft_name = args.draft or "ngram"
     backend = args.backend or "inductor"
     K = args.num_speculative_tokens or 4
     _check_model_arg(args.model)
-    print(f"loading {args.model} ...", file=sys.stderr)
-    try:
-        (model, tok), dt = _timed(lambda: load_model(args.model))
-    except FileNotFoundError as e:
-        _die(str(e))
-    print(f"loaded in {dt:.1f} s", file=sys.stderr)
+    model, tok = _load_model_reporting(args.model)
     ids = _chat_ids(tok, args.prompt)
     gkw, sample = _sampling_kwargs(args, model)
     draft = None if draft_name == "none" else draft_name
@@ -400,12 +407,7 @@ def cmd_compile(args, formats=None) -> int:
     _check_model_arg(args.model)
     if getattr(args, "draft_model", None) is not None:
         _check_model_arg(args.draft_model)
-    print(f"loading {args.model} ...", file=sys.stderr)
-    try:
-        (model, tok), dt = _timed(lambda: load_model(args.model))
-    except FileNotFoundError as e:
-        _die(str(e))
-    print(f"loaded in {dt:.1f} s", file=sys.stderr)
+    model, tok = _load_model_reporting(args.model)
     if getattr(args, "draft_model", None) is not None:
         try:
             draft = load_model(args.draft_model)[0]

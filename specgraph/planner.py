@@ -225,7 +225,8 @@ def _rows(prompts) -> list[list[int]]:
     return rows
 
 
-def _left_pad(rows, pad):
+def left_pad(rows, pad):
+    """rows of token ids -> (ids [B, T] left-padded with ``pad``, attention_mask [B, T])."""
     T = max(len(r) for r in rows)
     ids = torch.full((len(rows), T), pad, dtype=torch.long)
     mask = torch.zeros(len(rows), T, dtype=torch.long)
@@ -345,7 +346,7 @@ def measure_speedups(fast, rows, batch_sizes, depths, max_new_tokens: int, runs:
         n_batches = -(-len(rows) // B)
         batches = []
         for i in range(n_batches):
-            ids, mask = _left_pad([rows[(i * B + j) % len(rows)] for j in range(B)], pad)
+            ids, mask = left_pad([rows[(i * B + j) % len(rows)] for j in range(B)], pad)
             batches.append((ids.to(device), mask.to(device)))
         tps, ref = {}, None
         for g in [0, *depths]:
