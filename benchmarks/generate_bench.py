@@ -63,6 +63,12 @@ def truncated_draft(model, layers: int):
     return draft.eval()
 
 
+def write_json(path, meta, rows):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -77,29 +83,39 @@ def main(argv=None) -> int:
     ap.add_argument("--autotune", action="store_true",
                     help="compile every specgraph object with autotune=True (Inductor GEMM template vs MKL)")
     ap.add_argument("--draft-layers", type=int, default=6, help="layers of the truncated draft model (0 = skip)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (CUDA: rounds replay as CUDA graphs)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--methods", default="",
+                    help="comma-separated subset of method names to run, in this order ('' = all)")
     ap.add_argument("--out", default="benchmarks/results/generate_bench.json")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device)
     eos = model.generation_config.eos_token_id
     pad = model.generation_config.pad_token_id or eos
     N = args.max_new_tokens
-    sg_plain = specgraph.compile(model, None, backend=args.backend, max_batch_size=1, max_seq_len=1024,
+    sg_plain = specgraph.compile(model, None, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
                                  autotune=args.autotune)
     sg_ngram = specgraph.compile(model, "ngram", num_speculative_tokens=args.k, backend=args.backend,
-                                 max_batch_size=1, max_seq_len=1024, autotune=args.autotune)
+                                 max_batch_size=1, max_seq_len=args.max_seq_len, autotune=args.autotune)
 
     sg_long = None if not args.k_long else specgraph.compile(
-        model, "ngram", num_speculative_tokens=args.k_long, backend=args.backend, max_batch_size=1, max_seq_len=1024,
+        model, "ngram", num_speculative_tokens=args.k_long, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
         autotune=args.autotune)
     tree = [tuple(int(r) for r in p.split(",")) for p in args.tree.split(";")] if args.tree else None
     sg_tree = None if tree is None else specgraph.compile(
-        model, "ngram", tree=tree, backend=args.backend, max_batch_size=1, max_seq_len=1024, autotune=args.autotune)
+        model, "ngram", tree=tree, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len, autotune=args.autotune)
 
     draft = truncated_draft(model, args.draft_layers) if args.draft_layers else None
     sg_draft = None if draft is None else specgraph.compile(
-        model, draft, num_speculative_tokens=args.k, backend=args.backend, max_batch_size=1, max_seq_len=1024,
+        model, draft, num_speculative_tokens=args.k, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
         autotune=args.autotune)
+
+    def sync():
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     def hf(ids, **kw):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
@@ -126,13 +142,26 @@ def main(argv=None) -> int:
     if draft is not None:
         methods[f"hf_assisted_{args.draft_layers}L"] = lambda ids: hf(ids, assistant_model=draft)
         methods[f"specgraph_draft_{args.draft_layers}L_k{args.k}"] = sg(sg_draft)
+    if args.methods:
+        unknown = [m for m in args.methods.split(",") if m not in methods]
+        if unknown:
+            raise SystemExit(f"unknown methods {unknown}; known: {list(methods)}")
+        methods = {m: methods[m] for m in args.methods.split(",")}
+    if "hf_plain" not in methods:
+        raise SystemExit("--methods must include hf_plain (the ratios' baseline)")
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "max_new_tokens": N, "runs": args.runs,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "backend": args.backend, "tree": args.tree,
+            "k": args.k, "k_long": args.k_long, "draft_layers": args.draft_layers, "autotune": args.autotune,
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+            "dtype": args.dtype, "max_seq_len": args.max_seq_len}
     rows = []
     for pname in args.prompts.split(","):
-        ids = _ids(tok, PROMPTS[pname])
+        ids = _ids(tok, PROMPTS[pname]).to(args.device)
         with torch.no_grad():
             for name, fn in methods.items():  # warm-up (compiles specgraph graphs on first use)
                 t0 = time.perf_counter()
                 fn(ids)
+                sync()
                 print(f"[warm-up] {pname} {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             times = {m: [] for m in methods}
             outs, emitted = {}, {}
@@ -140,6 +169,7 @@ def main(argv=None) -> int:
                 for name, fn in methods.items():
                     t0 = time.perf_counter()
                     out, em = fn(ids)
+                    sync()
                     dt = time.perf_counter() - t0
                     times[name].append((out.shape[1] - ids.shape[1]) / dt)
                     outs[name], emitted[name] = out, em
@@ -156,12 +186,7 @@ def main(argv=None) -> int:
             em = "-" if r["mean_emitted_per_round"] is None else f"{r['mean_emitted_per_round']:.2f}"
             print(f"{pname:<10} {name:<26} {tps:8.1f} tok/s {r['ratio_vs_hf_plain']:6.2f}x  emitted/round {em:>5}  "
                   f"equal={r['greedy_equal_hf']}", flush=True)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "max_new_tokens": N, "runs": args.runs,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "backend": args.backend, "tree": args.tree,
-            "k": args.k, "k_long": args.k_long, "draft_layers": args.draft_layers, "autotune": args.autotune}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json(args.out, meta, rows)  # after every prompt: a run cut short still leaves its results
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
