@@ -152,7 +152,7 @@ def chain_outcomes_triton(
     accepted = torch.empty((B, K), dtype=torch.int8, device=device)
     recovered = torch.empty((B, K1), dtype=torch.long, device=device)
     if B == 0 or V == 0:
-        return accepted.view(torch.bool), recovered
+        return accepted != 0, recovered  # not .view(torch.bool): Inductor cannot lower an int8 -> bool view
     block = default_block_v(V) if block_v is None else int(block_v)
     if block < 1 or block & (block - 1):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
@@ -174,4 +174,4 @@ def chain_outcomes_triton(
         HAS_Q=has_q, BLOCK_V=block, num_warps=num_warps or _num_warps(block),
         enable_fp_fusion=False,  # products rounded before the subtraction, as in the reference
     )
-    return accepted.view(torch.bool), recovered
+    return accepted != 0, recovered  # not .view(torch.bool): Inductor cannot lower an int8 -> bool view

