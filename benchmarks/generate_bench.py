@@ -158,11 +158,13 @@ def main(argv=None) -> int:
     for pname in args.prompts.split(","):
         ids = _ids(tok, PROMPTS[pname]).to(args.device)
         with torch.no_grad():
+            warmup = {}
             for name, fn in methods.items():  # warm-up (compiles specgraph graphs on first use)
                 t0 = time.perf_counter()
                 fn(ids)
                 sync()
-                print(f"[warm-up] {pname} {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+                warmup[name] = time.perf_counter() - t0
+                print(f"[warm-up] {pname} {name}: {warmup[name]:.1f} s", file=sys.stderr, flush=True)
             times = {m: [] for m in methods}
             outs, emitted = {}, {}
             for _ in range(args.runs):
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
                 "prompt": pname, "method": name, "tokens_per_s": tps, "ratio_vs_hf_plain": tps / base,
                 "mean_emitted_per_round": emitted[name], "new_tokens": outs[name].shape[1] - ids.shape[1],
                 "greedy_equal_hf": bool(outs[name].shape == outs["hf_plain"].shape and torch.equal(outs[name], outs["hf_plain"])),
-                "runs": times[name],
+                "runs": times[name], "warmup_s": warmup[name],
             })
             r = rows[-1]
             em = "-" if r["mean_emitted_per_round"] is None else f"{r['mean_emitted_per_round']:.2f}"

@@ -126,9 +126,9 @@ class GraphSpec:
         return (self.kind, self.batch, self.width, self.tree if self.kind == "tree" else self.depth, self.mode)
 
 
-def _widths(slots: int) -> list[int]:
+def _widths(slots: int, min_attend: int | None = None) -> list[int]:
     """Every attended width :func:`specgraph.compiler.attend_width` can return for this cache."""
-    return sorted({attend_width(n, slots) for n in range(1, slots + 1)})
+    return sorted({attend_width(n, slots, min_attend) for n in range(1, slots + 1)})
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -154,7 +154,7 @@ def plan_graphs(fast: SpecGraphModel, modes=MODES, prefill_chunk: int | None = P
     for B in _buckets(fast.max_batch_size):
         if prefill_chunk:
             out.append(GraphSpec("prefill", B, fast.slots, "greedy", min(prefill_chunk, fast.slots - 1)))
-        for w in _widths(fast.slots):
+        for w in _widths(fast.slots, fast.min_attend):
             for mode in modes:
                 out += [GraphSpec("round", B, w, mode, k) for k in chain]
                 out += [GraphSpec("tree", B, w, mode, t[2], t) for t in trees]
@@ -495,7 +495,7 @@ def compile_dir(
             "max_seq_len": max_seq_len,
             "slots": fast.slots,
             "batch_buckets": _buckets(max_batch_size),
-            "widths": _widths(fast.slots),
+            "widths": _widths(fast.slots, fast.min_attend),
             "modes": list(modes),
             "sampling": {"temperature": "input", "top_k": top_k, "top_p": top_p, "min_p": min_p},
         },

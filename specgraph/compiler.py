@@ -201,6 +201,10 @@ SUFFIX_MIN_SCORE = 0.1
 # CPU: 0.87x prompt lookup with 1, 1.01x with 2; median of 3 interleaved runs)
 SUFFIX_MIN_MATCH = 2
 MIN_ATTEND = 256  # overridable for tests
+# On CUDA each width is one more graph to compile and record (~25 s each for SmolLM2 on an H200), while
+# attending the whole cache costs little there (1024 fp32 K/V slots of SmolLM2 read ~280 MB per step
+# at ~4.8 TB/s): one width per shape up to max_seq_len 1024.
+MIN_ATTEND_CUDA = 1024
 
 
 def next_k(ladder: list[int], k_now: int, k: int, n_live: list[int]) -> int:
@@ -325,10 +329,10 @@ def assemble_output(input_ids, new: list[list[int]], pad_token_id) -> torch.Tens
     return torch.cat([input_ids, out], dim=1)
 
 
-def attend_width(need: int, slots: int) -> int:
-    """Attended cache prefix for a round: the smallest power of two >= need (at least MIN_ATTEND),
-    or all slots. Each width is one compiled graph, so widths are few."""
-    w = MIN_ATTEND
+def attend_width(need: int, slots: int, min_attend: int | None = None) -> int:
+    """Attended cache prefix for a round: the smallest power of two >= need (at least ``min_attend``,
+    default MIN_ATTEND), or all slots. Each width is one compiled graph, so widths are few."""
+    w = MIN_ATTEND if min_attend is None else min_attend
     while w < need:
         w *= 2
     return w if w < slots else slots
@@ -483,6 +487,12 @@ class SpecGraphModel:
         if kind not in ("round", "tree"):
             raise ValueError(f"kind must be 'round' or 'tree', got {kind!r}")
         return (kind, batch, self._graph_params(params), width, shape)
+
+    @property
+    def min_attend(self) -> int:
+        """Smallest attended cache width of a round (see MIN_ATTEND, MIN_ATTEND_CUDA)."""
+        on_cuda = next(self.model.parameters()).device.type == "cuda"
+        return MIN_ATTEND_CUDA if on_cuda else MIN_ATTEND
 
     def set_depths(self, depths) -> None:
         """The chain depths model-free drafters move between (one compiled graph each): they start
@@ -950,7 +960,7 @@ class SpecGraphModel:
         temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
         while not all(done):
             need = max(L_host[b] for b in range(B) if not done[b]) + self.span
-            width = attend_width(need, S)
+            width = attend_width(need, S, self.min_attend)
             active = torch.tensor([not d for d in done], device=device)
             tree = None if self.tree is None else self._propose_tree(B, width, hist, L, root, active)
             if tree is not None:
