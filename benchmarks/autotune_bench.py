@@ -14,7 +14,7 @@ model, tok = load_model("default")
 ids = tok.apply_chat_template([{"role": "user", "content": "Summarize: The quick brown fox jumps over the lazy dog. " * 5}], add_generation_prompt=True, return_tensors="pt")
 ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
 fasts = {}
-for name, autotune in [("default", False), ("autotune", True)]:
+for name, autotune in [("autotune_off", False), ("autotune", True)]:
     f = specgraph.compile(model, sys.argv[1] if len(sys.argv) > 1 else None, max_batch_size=1, max_seq_len=512,
                           autotune=autotune)
     t0 = time.perf_counter(); f.generate(ids, max_new_tokens=8); print(name, "warm", round(time.perf_counter()-t0,1), flush=True)

@@ -80,8 +80,9 @@ def main(argv=None) -> int:
                     help="ngram tree as ';'-separated paths of ranks ('' = skip)")
     ap.add_argument("--prompts", default=",".join(PROMPTS))
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--autotune", action="store_true",
-                    help="compile every specgraph object with autotune=True (Inductor GEMM template vs MKL)")
+    ap.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile every specgraph object with autotune on / off (Inductor GEMM template vs MKL); "
+                         "default: compile()'s 'auto' (on for SmolLM2 on CPU)")
     ap.add_argument("--draft-layers", type=int, default=6, help="layers of the truncated draft model (0 = skip)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (CUDA: rounds replay as CUDA graphs)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -96,22 +97,23 @@ def main(argv=None) -> int:
     eos = model.generation_config.eos_token_id
     pad = model.generation_config.pad_token_id or eos
     N = args.max_new_tokens
+    autotune = "auto" if args.autotune is None else args.autotune
     sg_plain = specgraph.compile(model, None, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
-                                 autotune=args.autotune)
+                                 autotune=autotune)
     sg_ngram = specgraph.compile(model, "ngram", num_speculative_tokens=args.k, backend=args.backend,
-                                 max_batch_size=1, max_seq_len=args.max_seq_len, autotune=args.autotune)
+                                 max_batch_size=1, max_seq_len=args.max_seq_len, autotune=autotune)
 
     sg_long = None if not args.k_long else specgraph.compile(
         model, "ngram", num_speculative_tokens=args.k_long, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
-        autotune=args.autotune)
+        autotune=autotune)
     tree = [tuple(int(r) for r in p.split(",")) for p in args.tree.split(";")] if args.tree else None
     sg_tree = None if tree is None else specgraph.compile(
-        model, "ngram", tree=tree, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len, autotune=args.autotune)
+        model, "ngram", tree=tree, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len, autotune=autotune)
 
     draft = truncated_draft(model, args.draft_layers) if args.draft_layers else None
     sg_draft = None if draft is None else specgraph.compile(
         model, draft, num_speculative_tokens=args.k, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
-        autotune=args.autotune)
+        autotune=autotune)
 
     def sync():
         if args.device.startswith("cuda"):
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
         raise SystemExit("--methods must include hf_plain (the ratios' baseline)")
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "max_new_tokens": N, "runs": args.runs,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "backend": args.backend, "tree": args.tree,
-            "k": args.k, "k_long": args.k_long, "draft_layers": args.draft_layers, "autotune": args.autotune,
+            "k": args.k, "k_long": args.k_long, "draft_layers": args.draft_layers, "autotune": sg_plain.autotune,
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
             "dtype": args.dtype, "max_seq_len": args.max_seq_len}
     rows = []

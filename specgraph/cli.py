@@ -215,7 +215,8 @@ def _generate_jit(args) -> int:
     ids = _chat_ids(tok, args.prompt)
     gkw, sample = _sampling_kwargs(args, model)
     draft = None if draft_name == "none" else draft_name
-    fast = specgraph.compile(model, draft, num_speculative_tokens=K, backend=backend, autotune=args.autotune,
+    fast = specgraph.compile(model, draft, num_speculative_tokens=K, backend=backend,
+                             autotune="auto" if args.autotune is None else args.autotune,
                              max_batch_size=1, max_seq_len=ids.shape[1] + args.max_new_tokens + K + 2)
     print("compiling on first use (about a minute per graph on a small CPU; cached afterwards) ...", file=sys.stderr)
     _, dt = _timed(lambda: fast.generate(ids, **{**gkw, "max_new_tokens": min(8, args.max_new_tokens)},
@@ -243,7 +244,7 @@ def _generate_from_dir(args) -> int:
     from specgraph.aot import read_manifest
 
     for flag, value in (("--draft", args.draft), ("--backend", args.backend),
-                        ("--num-speculative-tokens", args.num_speculative_tokens), ("--autotune", args.autotune or None)):
+                        ("--num-speculative-tokens", args.num_speculative_tokens), ("--autotune", args.autotune)):
         if value is not None:
             _die(f"{flag} applies to MODEL; {args.model} was compiled with fixed settings (recompile to change them)")
     man = read_manifest(args.model)
@@ -638,9 +639,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default=None, choices=["ngram", "none"], help="MODEL only: drafter (default ngram)")
     g.add_argument("--backend", default=None, choices=["inductor", "eager"], help="MODEL only (default inductor)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="MODEL only (default 4)")
-    g.add_argument("--autotune", action="store_true",
+    g.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,
                    help="MODEL only: Inductor benchmarks its GEMM templates against the library call per shape "
-                        "(SmolLM2 on a 2-core CPU: 1.28x faster plain steps, ~2x compile time)")
+                        "(SmolLM2 on a 2-core CPU: 1.28x faster plain steps, ~2x compile time); default: on for CPU "
+                        "models of >= 50M parameters")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)

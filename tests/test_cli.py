@@ -42,8 +42,9 @@ def test_generate_flags_for_compiled_dirs_parse_and_old_flags_still_work():
     a = p.parse_args(["generate", "some/dir", "--prompt", "hi", "--stream", "--runtime", "pt2"])
     assert a.stream and a.runtime == "pt2" and a.compare is None and a.draft is None
     a = p.parse_args(["generate", "default", "--prompt", "hi", "--no-compare", "--draft", "none", "--backend", "eager"])
-    assert a.compare is False and a.draft == "none" and a.backend == "eager" and not a.autotune
-    assert p.parse_args(["generate", "default", "--prompt", "hi", "--autotune"]).autotune
+    assert a.compare is False and a.draft == "none" and a.backend == "eager" and a.autotune is None
+    assert p.parse_args(["generate", "default", "--prompt", "hi", "--autotune"]).autotune is True
+    assert p.parse_args(["generate", "default", "--prompt", "hi", "--no-autotune"]).autotune is False
     a = p.parse_args(["compile", "default", "--out", "d", "--depths", "2,4,8", "--format", "pt2,onnx"])
     assert a.depths == [2, 4, 8] and a.format == ["pt2", "onnx"] and a.modes == ["greedy", "sample"]
 

@@ -236,6 +236,18 @@ def test_inductor_autotune_plain_decoding_equals_hf():
     assert fast.inductor_config["max_autotune"] and "CPP" in fast.inductor_config["max_autotune_gemm_backends"]
 
 
+def test_autotune_auto_is_on_for_large_cpu_models_only(monkeypatch):
+    from specgraph import compiler as sg_compiler
+
+    model = tiny_model("llama")
+    assert specgraph.compile(model, backend="eager").autotune is False  # tiny: only compile time would grow
+    monkeypatch.setattr(sg_compiler, "AUTOTUNE_MIN_PARAMS", 1)
+    assert specgraph.compile(model, backend="eager").autotune is True
+    assert specgraph.compile(model, backend="eager", autotune=False).autotune is False
+    with pytest.raises(ValueError, match="autotune must be"):
+        specgraph.compile(model, backend="eager", autotune="yes")
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. acceptance regression, and power of the equality test
 
