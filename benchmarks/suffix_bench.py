@@ -14,7 +14,6 @@ repetition *within* a workload helps. Greedy (with equality to HF plain) and, wi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ from specgraph.models import load_model
 from specgraph.suffix import SuffixIndex
 
 sys.path.insert(0, os.path.dirname(__file__))
-from generate_bench import PROMPTS  # noqa: E402
+from generate_bench import PROMPTS, write_json  # noqa: E402
 
 REVISE = ["Now repeat your previous answer exactly, but add a short title line at the top.",
           "Repeat that answer once more, replacing the title with 'Final version'."]
@@ -114,11 +113,6 @@ def main(argv=None) -> int:
     meta = {"torch": torch.__version__, "max_new_tokens": N, "runs": args.runs, "k": args.k,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "calls": {w: len(c) for w, c in workloads.items()}}
 
-    def write(rows):  # after every workload and setting: a long run that is stopped keeps what it measured
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-
     rows = []
     with torch.no_grad():
         for wname in args.workloads.split(","):
@@ -153,8 +147,8 @@ def main(argv=None) -> int:
                     em = "-" if per_round[name] is None else f"{per_round[name]:.2f}"
                     print(f"{wname:<10} {sname:<6} {name:<28} {med:7.1f} tok/s {med / base:6.2f}x HF plain "
                           f"{med / ngram:5.2f}x sg ngram  emitted/round {em:>5}  equal={equal}", flush=True)
-                write(rows)
-    write(rows)
+                write_json(args.out, meta, rows)  # after every workload and setting: a stopped run keeps it
+    write_json(args.out, meta, rows)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

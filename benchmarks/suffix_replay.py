@@ -12,7 +12,6 @@ a round of depth k costs (1 + slope * k) plain steps (~0.1 for SmolLM2 on a 2-co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,12 +24,13 @@ from specgraph.models import load_model
 from specgraph.suffix import SuffixIndex
 
 sys.path.insert(0, os.path.dirname(__file__))
+from generate_bench import write_json  # noqa: E402
 from suffix_bench import build_workloads  # noqa: E402
 
 
 def replay(kind: str, prompt: list[int], cont: list[int], K: int, session=None, **thresholds) -> dict:
     """One greedy generation of ``cont`` after ``prompt``, round by round, as SpecGraphModel runs it."""
-    ladder = sorted({min(K, C.NGRAM_START_K), K})
+    ladder = C.default_ladder(K)
     k_now, hist, i = ladder[0], list(prompt), 0
     out = {"rounds": 0, "drafted": 0, "accepted": 0, "host_s": 0.0, "depths": {}}
     while i < len(cont):
@@ -41,7 +41,7 @@ def replay(kind: str, prompt: list[int], cont: list[int], K: int, session=None, 
             k = k_now if drafts else 0
         else:
             drafts = C.suffix_chains([session], k_now, **thresholds)[0]
-            k = C.chain_depth(sorted({d for d in ladder if d <= k_now} | {k_now}), len(drafts)) if drafts else 0
+            k = C.chain_depth(C.rungs_upto(ladder, k_now), len(drafts)) if drafts else 0
         out["host_s"] += time.perf_counter() - t0
         a = 0
         while a < len(drafts) and i + a < len(cont) and drafts[a] == cont[i + a]:
@@ -120,9 +120,7 @@ def main(argv=None) -> int:
                       f"est. speed vs ngram {rows[-1]['est_speed_vs_ngram']:.3f}", flush=True)
     meta = {"max_new_tokens": args.max_new_tokens, "k": args.k, "slope": args.slope,
             "suffix_min_score": C.SUFFIX_MIN_SCORE, "suffix_min_match": C.SUFFIX_MIN_MATCH}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_json(args.out, meta, rows)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -227,6 +227,16 @@ def next_k(ladder: list[int], k_now: int, k: int, n_live: list[int]) -> int:
     return k
 
 
+def default_ladder(k: int) -> list[int]:
+    """The chain depths model-free drafters move between by default: min(k, NGRAM_START_K) and k."""
+    return sorted({min(k, NGRAM_START_K), k})
+
+
+def rungs_upto(ladder: list[int], k: int) -> list[int]:
+    """The ladder's depths up to ``k``, and ``k``: the graphs a round capped at depth ``k`` may use."""
+    return sorted({d for d in ladder if d <= k} | {k})
+
+
 def suffix_chains(sessions, k: int, min_score: float = SUFFIX_MIN_SCORE, min_match: int = SUFFIX_MIN_MATCH) -> list[list[int]]:
     """Per row (a :class:`SuffixSession` or None), the suffix tree's best path as a chain of at most
     k tokens, cut where its estimated probability drops below ``min_score``; nothing when the
@@ -416,7 +426,7 @@ class SpecGraphModel:
             self.span = 1 + max(SUFFIX_TREE_SIZES) if self.dynamic_tree else self.tree.num_nodes
         # model-free chains move between these depths (one compiled graph each), see _next_k
         model_free = draft in ("ngram", "suffix", "custom")
-        self.k_ladder = sorted({min(self.k, NGRAM_START_K), self.k}) if model_free else [self.k]
+        self.k_ladder = default_ladder(self.k) if model_free else [self.k]
         self._lock = threading.RLock()  # one generate at a time per object (shared KV caches)
         self._sessions = None
         # chooses each round's chain depth when set (num_speculative_tokens="auto": specgraph.adaptive)
@@ -791,8 +801,7 @@ class SpecGraphModel:
             # the round's depth k (the ladder's current rung, or the policy's choice) caps the chain: a
             # suffix seen once scores 1.0 all along, so its length alone would always ask for the
             # deepest graph; the ladder's depths below k hold shorter chains
-            ladder = sorted({d for d in self.k_ladder if d <= k} | {k})
-            out = suffix_chain_drafts(suffix_chains(self._sessions, k), ladder, root, active.tolist())
+            out = suffix_chain_drafts(suffix_chains(self._sessions, k), rungs_upto(self.k_ladder, k), root, active.tolist())
             if out is not None:
                 return (*out, None)
         return 0, hist[:, :0], None
