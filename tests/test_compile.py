@@ -713,3 +713,12 @@ def test_many_compiled_shapes_in_one_process_do_not_hit_dynamo_recompile_limit(m
         fast = specgraph.compile(model, "ngram", num_speculative_tokens=k, backend="inductor", max_batch_size=1,
                                  max_seq_len=48, freeze=False)
         assert torch.equal(sg_generate(fast, ids, mask, max_new_tokens=12), ref), k
+
+
+def test_attended_width_minimum_is_per_device(llama):
+    from specgraph import compiler as sg_compiler
+
+    assert sg_compiler.attend_width(300, 2048) == 512  # CPU buckets: powers of two from MIN_ATTEND
+    assert sg_compiler.attend_width(300, 2048, sg_compiler.MIN_ATTEND_CUDA) == 1024  # CUDA: one width up to 1024
+    assert sg_compiler.attend_width(300, 600, sg_compiler.MIN_ATTEND_CUDA) == 600  # never past the cache
+    assert specgraph.compile(llama, backend="eager").min_attend == sg_compiler.MIN_ATTEND  # a CPU model
