@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--sample", action="store_true", help="also run T=0.7 sampling")
+    ap.add_argument("--settings", default=None,
+                    help="comma list of greedy,T0.7 (overrides --sample): one setting per process bounds memory")
+    ap.add_argument("--autotune", action="store_true", help="Inductor GEMM autotuning (about 2x the compile time)")
     ap.add_argument("--workloads", default="repeated,multiturn,single")
     ap.add_argument("--out", default="benchmarks/results/suffix_bench.json")
     args = ap.parse_args(argv)
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
     eos = model.generation_config.eos_token_id
     pad = model.generation_config.pad_token_id or eos
     N = args.max_new_tokens
-    kw = dict(backend="inductor", max_batch_size=1, max_seq_len=1024)
+    kw = dict(backend="inductor", max_batch_size=1, max_seq_len=1024, autotune=args.autotune)
     fasts = {
         f"specgraph_ngram_k{args.k}": specgraph.compile(model, "ngram", num_speculative_tokens=args.k, **kw),
         f"specgraph_suffix_chain_k{args.k}": specgraph.compile(model, "suffix", num_speculative_tokens=args.k, **kw),
@@ -77,9 +80,12 @@ def main(argv=None) -> int:
                                                               tree="dynamic", **kw),
     }
     workloads = build_workloads(model, tok, N, eos, pad)
-    settings = [("greedy", dict(do_sample=False))]
-    if args.sample:
-        settings.append(("T0.7", dict(do_sample=True, temperature=0.7)))
+    all_settings = {"greedy": dict(do_sample=False), "T0.7": dict(do_sample=True, temperature=0.7)}
+    names = args.settings.split(",") if args.settings else ["greedy"] + (["T0.7"] if args.sample else [])
+    unknown = [n for n in names if n not in all_settings]
+    if unknown:
+        ap.error(f"unknown setting(s) {unknown}; choose from {sorted(all_settings)}")
+    settings = [(n, all_settings[n]) for n in names]
 
     def hf(**extra):
         def run(ids, sampling):
@@ -110,7 +116,7 @@ def main(argv=None) -> int:
             outs.append(out)
         return new / secs, (new / rounds if rounds else None), outs
 
-    meta = {"torch": torch.__version__, "max_new_tokens": N, "runs": args.runs, "k": args.k,
+    meta = {"torch": torch.__version__, "max_new_tokens": N, "runs": args.runs, "k": args.k, "autotune": args.autotune,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "calls": {w: len(c) for w, c in workloads.items()}}
 
     rows = []
@@ -147,8 +153,12 @@ def main(argv=None) -> int:
                     em = "-" if per_round[name] is None else f"{per_round[name]:.2f}"
                     print(f"{wname:<10} {sname:<6} {name:<28} {med:7.1f} tok/s {med / base:6.2f}x HF plain "
                           f"{med / ngram:5.2f}x sg ngram  emitted/round {em:>5}  equal={equal}", flush=True)
+                # a graph compiled past the freeze budget (specgraph.freezing) is slower: say so
+                meta["unfrozen_graphs"] = {k: sorted(g for g, fr in f.graph_frozen.items() if not fr)
+                                           for k, f in fasts.items()}
+                if any(meta["unfrozen_graphs"].values()):
+                    print(f"warning: unfrozen graphs {meta['unfrozen_graphs']}", file=sys.stderr, flush=True)
                 write_json(args.out, meta, rows)  # after every workload and setting: a stopped run keeps it
-    write_json(args.out, meta, rows)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -24,6 +24,7 @@ from specgraph import learned
 from specgraph.capture import Step, UnsupportedModel, capture_step, check_supported, new_kv_cache
 from specgraph.drafters import ChainDrafter, ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
+from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
 from specgraph.suffix import SuffixIndex
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
 from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
@@ -433,6 +434,11 @@ class SpecGraphModel:
         self.policy = None
         self.backend = backend
         self.freeze = bool(freeze)
+        # frozen graphs each copy their weights: a process-wide budget (specgraph.freezing) decides
+        # per graph; graph_frozen records what each compiled graph got
+        self.graph_frozen: dict[str, bool] = {}
+        self._frozen_account: dict = {}
+        FREEZE_BUDGET.track(self, self._frozen_account)
         self.autotune = bool(autotune)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -555,7 +561,10 @@ class SpecGraphModel:
                 self._steps[key] = gm
         return self._steps[key]
 
-    def _compiled(self, name: str, fn):
+    def _compiled(self, name: str, fn, weights=None):
+        """``fn`` compiled for this object's backend and device. ``weights``: the modules whose
+        parameters the graph reads (default: the target model; ``()`` for weight-free graphs),
+        what a frozen copy of it costs."""
         if self.backend == "eager":
             return fn
         # freezing: weights become constants of the graph (prepacked for MKL on CPU: GEMV ~25% faster
@@ -576,13 +585,33 @@ class SpecGraphModel:
         # compiled object shares one (a closure per shape): past torch._dynamo's recompile_limit
         # (8) shapes in a process, fullgraph compilation fails. A fresh code object per compiled
         # function gives each its own cache with one entry (and one guard check per call).
-        fn.__code__ = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{len(self._fns)}")
+        graph = f"{fn.__code__.co_name}_{len(self._fns)}"
+        fn.__code__ = fn.__code__.replace(co_name=graph)
         if device.type == "cpu":
             config["cpp.threads"] = 1
+        nbytes = weight_bytes(*((self.model,) if weights is None else weights))
+        decided = []
+
+        def decide_freezing():
+            # at the first call, when the graph is compiled: objects that never run a shape reserve nothing
+            if self.freeze and nbytes and not FREEZE_BUDGET.reserve(device, nbytes, self._frozen_account):
+                config["freezing"] = False
+                if not any(not f for f in self.graph_frozen.values()):
+                    warnings.warn(
+                        f"specgraph: frozen graphs of this process already hold "
+                        f"{FREEZE_BUDGET.used.get(device.type, 0) / 2**30:.1f} GB of weight copies (budget "
+                        f"{FREEZE_BUDGET.limit(device) / 2**30:.1f} GB, {FREEZE_ENV} to change it); this object's "
+                        f"further graphs compile without freezing (slower matmuls on CPU, no weight copy)",
+                        stacklevel=4)
+            self.graph_frozen[graph] = config["freezing"]
+            decided.append(True)
+
         if device.type != "cuda":
             compiled = torch.compile(fn, dynamic=False, fullgraph=True)
 
             def run(*args):
+                if not decided:
+                    decide_freezing()
                 with torch._inductor.config.patch(config):
                     return compiled(*args)
 
@@ -594,6 +623,8 @@ class SpecGraphModel:
         compiled = torch.compile(fn, mode="reduce-overhead", dynamic=False, fullgraph=True)
 
         def run_cuda(*args):
+            if not decided:
+                decide_freezing()
             with torch._inductor.config.patch(config):
                 out = compiled(*args)
             return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
@@ -689,7 +720,7 @@ class SpecGraphModel:
                 _compact_path(kv, L, path_nodes, n, active, S - 1)
                 return n
 
-            self._fns[key] = self._compiled("compact", compact_fn)
+            self._fns[key] = self._compiled("compact", compact_fn, weights=())
         return self._fns[key]
 
     def _draft_tree_fn(self, B: int, d: int, width: int):
@@ -731,7 +762,7 @@ class SpecGraphModel:
                 logits, _ = step(ids, pos, mask.to(kv[0].dtype), slots, *kv)
                 return logits[:, Q - len(fed):].topk(R, dim=-1).indices  # [B, Qd, R]
 
-            self._fns[key] = self._compiled("draft_tree", draft_tree_fn)
+            self._fns[key] = self._compiled("draft_tree", draft_tree_fn, weights=(self.draft_model,))
         return self._fns[key]
 
     @property
@@ -772,7 +803,7 @@ class SpecGraphModel:
                 q = warped_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
                 return (q / expo).argmax(dim=-1), q
 
-            self._fns[key] = self._compiled("draft", draft_fn)
+            self._fns[key] = self._compiled("draft", draft_fn, weights=(self.draft_model,))
         return self._fns[key]
 
     def _propose(self, B, params, width, hist, L, root, active, generator, V, k):
@@ -1113,7 +1144,10 @@ def compile(
 
     ``freeze=True`` lets Inductor treat the weights as constants (faster matmuls on CPU); each
     compiled graph then holds its own prepacked copy of the weights, and later changes to the
-    model's weights are not seen. ``freeze=False`` saves that memory.
+    model's weights are not seen. ``freeze=False`` saves that memory. The copies of all objects of
+    a process are kept within a budget (half the machine's memory, or ``SPECGRAPH_FREEZE_BUDGET_GB``;
+    :mod:`specgraph.freezing`): past it, further graphs compile unfrozen, with a warning;
+    ``fast.graph_frozen`` says which graphs were frozen.
 
     ``autotune=True`` lets Inductor pick, per GEMM shape, between its own GEMM template and the
     library call by benchmarking both (``max_autotune``): on a 2-core AVX-512 CPU SmolLM2's plain

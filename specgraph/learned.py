@@ -319,7 +319,7 @@ class EagleDrafter(_HeadDrafter):
                 drafts = torch.stack(drafts, dim=1)  # [B, K]
                 return drafts if params.greedy else (drafts, torch.stack(qs, dim=1))
 
-            fns[key] = self.sg._compiled("eagle_chain", eagle_chain_fn)
+            fns[key] = self.sg._compiled("eagle_chain", eagle_chain_fn, weights=(self.head,))
         return fns[key]
 
     # -- trees ------------------------------------------------------------------------------
@@ -383,7 +383,7 @@ class EagleDrafter(_HeadDrafter):
                                 tokens[c] = top[:, q, rank[c]]
                 return torch.stack(tokens, dim=1)
 
-            fns[key] = self.sg._compiled("eagle_tree", eagle_tree_fn)
+            fns[key] = self.sg._compiled("eagle_tree", eagle_tree_fn, weights=(self.head,))
         return fns[key]
 
     def _dynamic_tree_fn(self, B):
@@ -441,7 +441,7 @@ class EagleDrafter(_HeadDrafter):
                 return select_tree(torch.cat(scores, dim=1), torch.cat(toks, dim=1), torch.cat(par, dim=1),
                                    depth.to(dev), Nd, root)
 
-            fns[key] = self.sg._compiled("eagle_dyn_tree", eagle_dyn_tree_fn)
+            fns[key] = self.sg._compiled("eagle_dyn_tree", eagle_dyn_tree_fn, weights=(self.head,))
         return fns[key]
 
 
@@ -485,7 +485,7 @@ class MedusaDrafter(_HeadDrafter):
                 drafts, q = self._pick(head.logits(h), params, expo, temperature)  # [B, K], [B, K, V]
                 return drafts if params.greedy else (drafts, q)
 
-            fns[key] = self.sg._compiled("medusa_chain", medusa_chain_fn)
+            fns[key] = self.sg._compiled("medusa_chain", medusa_chain_fn, weights=(self.head,))
         return fns[key]
 
     def propose_tree(self, B, L, root, active):
@@ -511,5 +511,5 @@ class MedusaDrafter(_HeadDrafter):
                 nodes = top[:, head_of, rank_of]  # [B, N - 1]
                 return torch.cat([root.unsqueeze(1), nodes], dim=1)
 
-            fns[key] = self.sg._compiled("medusa_tree", medusa_tree_fn)
+            fns[key] = self.sg._compiled("medusa_tree", medusa_tree_fn, weights=(self.head,))
         return fns[key]
