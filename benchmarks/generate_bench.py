@@ -69,6 +69,35 @@ def write_json(path, meta, rows):
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
+def parse_paths(text: str) -> list[tuple[int, ...]]:
+    """'0;1;0,0' -> [(0,), (1,), (0, 0)]: a tree as paths of child ranks."""
+    return [tuple(int(r) for r in p.split(",")) for p in text.split(";")]
+
+
+def learned_objects(model, args) -> dict:
+    """Compiled objects for ``--learned``: EAGLE / Medusa heads (a given file, else the shipped head)."""
+    from specgraph.heads import find_head, load_head
+
+    wanted = [w for w in args.learned.split(",") if w]
+    known = {"eagle_chain": ("eagle", None), "eagle_tree": ("eagle", "dynamic"), "medusa_chain": ("medusa", None),
+             "medusa_tree": ("medusa", "default")}
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise SystemExit(f"unknown --learned {unknown}; known: {list(known)}")
+    heads, out = {}, {}
+    for w in wanted:
+        kind, tree = known[w]
+        if kind not in heads:
+            path = getattr(args, f"{kind}_head") or find_head(model, kind)
+            heads[kind] = load_head(path, model)
+        if tree == "default":  # the --medusa-tree paths, cut to the heads' depth
+            tree = [p for p in parse_paths(args.medusa_tree) if len(p) <= heads[kind].num_heads]
+        k = min(args.k, heads[kind].num_heads) if kind == "medusa" else args.k  # a head per drafted token
+        out[w] = specgraph.compile(model, heads[kind], num_speculative_tokens=k, tree=tree, backend=args.backend,
+                                   max_batch_size=1, max_seq_len=args.max_seq_len, autotune=args.autotune_resolved)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -87,6 +116,16 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (CUDA: rounds replay as CUDA graphs)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--learned", default="",
+                    help="learned drafters to add: comma list of eagle_chain, eagle_tree (EAGLE-2 dynamic), "
+                         "medusa_chain, medusa_tree (default Medusa tree); heads from --eagle-head / --medusa-head "
+                         "or the shipped head matching the model")
+    ap.add_argument("--medusa-tree", default="0;1;2;0,0;0,1;1,0;0,0,0;0,0,1;0,0,0,0",
+                    help="Medusa static tree as ';'-separated paths of ranks (cut to the heads' depth)")
+    ap.add_argument("--eagle-head", default=None, help="EAGLE head .safetensors (default: the shipped one)")
+    ap.add_argument("--medusa-head", default=None, help="Medusa head .safetensors (default: the shipped one)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sample at this temperature (seeded per run; no equality check) instead of greedy")
     ap.add_argument("--methods", default="",
                     help="comma-separated subset of method names to run, in this order ('' = all)")
     ap.add_argument("--out", default="benchmarks/results/generate_bench.json")
@@ -98,6 +137,7 @@ def main(argv=None) -> int:
     pad = model.generation_config.pad_token_id or eos
     N = args.max_new_tokens
     autotune = "auto" if args.autotune is None else args.autotune
+    args.autotune_resolved = autotune
     sg_plain = specgraph.compile(model, None, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
                                  autotune=autotune)
     sg_ngram = specgraph.compile(model, "ngram", num_speculative_tokens=args.k, backend=args.backend,
@@ -106,7 +146,7 @@ def main(argv=None) -> int:
     sg_long = None if not args.k_long else specgraph.compile(
         model, "ngram", num_speculative_tokens=args.k_long, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
         autotune=autotune)
-    tree = [tuple(int(r) for r in p.split(",")) for p in args.tree.split(";")] if args.tree else None
+    tree = parse_paths(args.tree) if args.tree else None
     sg_tree = None if tree is None else specgraph.compile(
         model, "ngram", tree=tree, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len, autotune=autotune)
 
@@ -115,19 +155,26 @@ def main(argv=None) -> int:
         model, draft, num_speculative_tokens=args.k, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
         autotune=autotune)
 
+    learned = learned_objects(model, args)
+
     def sync():
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
 
+    sampling = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
+
     def hf(ids, **kw):
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
-                             pad_token_id=pad, eos_token_id=eos, **kw)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, pad_token_id=pad,
+                             eos_token_id=eos, **sampling, **kw)
         return out, None
 
     def sg(fast):
         def run(ids):
-            out = fast.generate(ids, max_new_tokens=N, eos_token_id=eos, pad_token_id=pad)
-            return out, fast.stats.as_dict()["mean_emitted_per_round"]
+            out = fast.generate(ids, max_new_tokens=N, eos_token_id=eos, pad_token_id=pad, **sampling)
+            st = fast.stats
+            # acceptance at depth j: drafts at position j accepted / drafted (the survival curve)
+            per_depth = [a / d for a, d in zip(st.accepted_at, st.drafted_at) if d]
+            return out, (st.as_dict()["mean_emitted_per_round"], per_depth)
         return run
 
     methods = {
@@ -144,6 +191,8 @@ def main(argv=None) -> int:
     if draft is not None:
         methods[f"hf_assisted_{args.draft_layers}L"] = lambda ids: hf(ids, assistant_model=draft)
         methods[f"specgraph_draft_{args.draft_layers}L_k{args.k}"] = sg(sg_draft)
+    for name, fast in learned.items():
+        methods[f"specgraph_{name}"] = sg(fast)
     if args.methods:
         unknown = [m for m in args.methods.split(",") if m not in methods]
         if unknown:
@@ -155,7 +204,8 @@ def main(argv=None) -> int:
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "backend": args.backend, "tree": args.tree,
             "k": args.k, "k_long": args.k_long, "draft_layers": args.draft_layers, "autotune": sg_plain.autotune,
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
-            "dtype": args.dtype, "max_seq_len": args.max_seq_len}
+            "dtype": args.dtype, "max_seq_len": args.max_seq_len, "temperature": args.temperature,
+            "learned": args.learned, "eagle_head": args.eagle_head, "medusa_head": args.medusa_head}
     rows = []
     for pname in args.prompts.split(","):
         ids = _ids(tok, PROMPTS[pname]).to(args.device)
@@ -169,8 +219,10 @@ def main(argv=None) -> int:
                 print(f"[warm-up] {pname} {name}: {warmup[name]:.1f} s", file=sys.stderr, flush=True)
             times = {m: [] for m in methods}
             outs, emitted = {}, {}
-            for _ in range(args.runs):
+            for r in range(args.runs):
                 for name, fn in methods.items():
+                    if args.temperature > 0:
+                        torch.manual_seed(r)
                     t0 = time.perf_counter()
                     out, em = fn(ids)
                     sync()
@@ -180,11 +232,14 @@ def main(argv=None) -> int:
         base = statistics.median(times["hf_plain"])
         for name in methods:
             tps = statistics.median(times[name])
+            em, per_depth = emitted[name] if emitted[name] is not None else (None, None)
+            equal = None if args.temperature > 0 else bool(
+                outs[name].shape == outs["hf_plain"].shape and torch.equal(outs[name], outs["hf_plain"]))
             rows.append({
                 "prompt": pname, "method": name, "tokens_per_s": tps, "ratio_vs_hf_plain": tps / base,
-                "mean_emitted_per_round": emitted[name], "new_tokens": outs[name].shape[1] - ids.shape[1],
-                "greedy_equal_hf": bool(outs[name].shape == outs["hf_plain"].shape and torch.equal(outs[name], outs["hf_plain"])),
-                "runs": times[name], "warmup_s": warmup[name],
+                "mean_emitted_per_round": em, "acceptance_per_depth": per_depth,
+                "new_tokens": outs[name].shape[1] - ids.shape[1],
+                "greedy_equal_hf": equal, "runs": times[name], "warmup_s": warmup[name],
             })
             r = rows[-1]
             em = "-" if r["mean_emitted_per_round"] is None else f"{r['mean_emitted_per_round']:.2f}"
