@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--k", type=int, default=4, help="speculative tokens for specgraph ngram")
     ap.add_argument("--k-long", type=int, default=10, help="a second ngram chain with this K (0 = skip)")
+    ap.add_argument("--suffix-k", type=int, default=10,
+                    help="a suffix-decoding chain with this K (0 = skip); repeated and multi-turn workloads, "
+                         "where suffix decoding's global index pays, are in benchmarks/suffix_bench.py")
     ap.add_argument("--tree", default="0;1;0,0;1,0;0,0,0;0,0,0,0;0,0,0,0,0;0,0,0,0,0,0",
                     help="ngram tree as ';'-separated paths of ranks ('' = skip)")
     ap.add_argument("--prompts", default=",".join(PROMPTS))
@@ -146,6 +149,9 @@ def main(argv=None) -> int:
     sg_long = None if not args.k_long else specgraph.compile(
         model, "ngram", num_speculative_tokens=args.k_long, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
         autotune=autotune)
+    sg_suffix = None if not args.suffix_k else specgraph.compile(
+        model, "suffix", num_speculative_tokens=args.suffix_k, backend=args.backend, max_batch_size=1,
+        max_seq_len=args.max_seq_len, autotune=autotune)
     tree = parse_paths(args.tree) if args.tree else None
     sg_tree = None if tree is None else specgraph.compile(
         model, "ngram", tree=tree, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len, autotune=autotune)
@@ -186,6 +192,8 @@ def main(argv=None) -> int:
     }
     if sg_long is not None:
         methods[f"specgraph_ngram_k{args.k_long}"] = sg(sg_long)
+    if sg_suffix is not None:
+        methods[f"specgraph_suffix_k{args.suffix_k}"] = sg(sg_suffix)
     if sg_tree is not None:
         methods[f"specgraph_ngram_tree{sg_tree.tree.num_nodes}"] = sg(sg_tree)
     if draft is not None:
@@ -202,7 +210,7 @@ def main(argv=None) -> int:
         raise SystemExit("--methods must include hf_plain (the ratios' baseline)")
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "max_new_tokens": N, "runs": args.runs,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "backend": args.backend, "tree": args.tree,
-            "k": args.k, "k_long": args.k_long, "draft_layers": args.draft_layers, "autotune": sg_plain.autotune,
+            "k": args.k, "k_long": args.k_long, "suffix_k": args.suffix_k, "draft_layers": args.draft_layers, "autotune": sg_plain.autotune,
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
             "dtype": args.dtype, "max_seq_len": args.max_seq_len, "temperature": args.temperature,
             "learned": args.learned, "eagle_head": args.eagle_head, "medusa_head": args.medusa_head}
