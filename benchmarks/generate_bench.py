@@ -23,6 +23,7 @@ import time
 import torch
 
 import specgraph
+from specgraph.suffix import SuffixIndex
 from specgraph.models import load_model
 
 PROMPTS = {
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
 
     def sg(fast):
         def run(ids):
+            if fast.draft == "suffix":  # each call starts empty: earlier runs of the same prompt would be drafted
+                fast.suffix_index = SuffixIndex()
             out = fast.generate(ids, max_new_tokens=N, eos_token_id=eos, pad_token_id=pad, **sampling)
             st = fast.stats
             # acceptance at depth j: drafts at position j accepted / drafted (the survival curve)
