@@ -23,8 +23,8 @@ import time
 import torch
 
 import specgraph
-from specgraph.suffix import SuffixIndex
 from specgraph.models import load_model
+from specgraph.suffix import SuffixIndex
 
 PROMPTS = {
     "code": "Write a Python class `Stack` with push, pop, peek and is_empty methods, each with a docstring, "
