@@ -238,15 +238,33 @@ def rungs_upto(ladder: list[int], k: int) -> list[int]:
     return sorted({d for d in ladder if d <= k} | {k})
 
 
-def suffix_chains(sessions, k: int, min_score: float = SUFFIX_MIN_SCORE, min_match: int = SUFFIX_MIN_MATCH) -> list[list[int]]:
+def suffix_chains(sessions, k: int, min_score: float = SUFFIX_MIN_SCORE, min_match: int = SUFFIX_MIN_MATCH,
+                  calibrated: bool = False) -> list[list[int]]:
     """Per row (a :class:`SuffixSession` or None), the suffix tree's best path as a chain of at most
     k tokens, cut where its estimated probability drops below ``min_score``; nothing when the
-    matched context suffix is shorter than ``min_match`` tokens."""
+    matched context suffix is shorter than ``min_match`` tokens. ``calibrated`` (sampled rounds):
+    the threshold is divided by the session's observed acceptance scale
+    (:class:`specgraph.suffix.AcceptanceCalibration`). Each session keeps its chain's node scores
+    in ``drafted_scores`` for :func:`calibrate_suffix`."""
     out = []
     for s in sessions:
         p = None if s is None else s.propose(k, 1, depth_limit=k)
-        out.append([] if p is None or p.match_len < min_match else p.best_chain(k, min_score))
+        if p is None or p.match_len < min_match:
+            chain, scores = [], []
+        else:
+            chain, scores = p.best_path(k, min_score / s.calibration.scale if calibrated else min_score)
+        if s is not None:
+            s.drafted_scores = scores
+        out.append(chain)
     return out
+
+
+def calibrate_suffix(sessions, n_emitted: list[int], live: list[bool]) -> None:
+    """After a sampled suffix-chain round: each live row's calibration sees its drafted chain's
+    scores and how many of those drafts were accepted (``n_emitted`` - 1; padding never counts)."""
+    for s, n, a in zip(sessions, n_emitted, live):
+        if a and s is not None and s.drafted_scores:
+            s.calibration.observe(s.drafted_scores, n - 1)
 
 
 def chain_depth(ladder: list[int], need: int) -> int:
@@ -832,7 +850,8 @@ class SpecGraphModel:
             # the round's depth k (the ladder's current rung, or the policy's choice) caps the chain: a
             # suffix seen once scores 1.0 all along, so its length alone would always ask for the
             # deepest graph; the ladder's depths below k hold shorter chains
-            out = suffix_chain_drafts(suffix_chains(self._sessions, k), rungs_upto(self.k_ladder, k), root, active.tolist())
+            chains = suffix_chains(self._sessions, k, calibrated=not params.greedy)
+            out = suffix_chain_drafts(chains, rungs_upto(self.k_ladder, k), root, active.tolist())
             if out is not None:
                 return (*out, None)
         return 0, hist[:, :0], None
@@ -1046,6 +1065,8 @@ class SpecGraphModel:
                 self.policy.observe(k, n_h, done, L_host)
             elif not isinstance(k, list):
                 self._k_now = self._next_k(k, [n_h[b] for b in range(n_rows) if not done[b]])
+            if self.draft == "suffix" and self.tree is None and not params.greedy and k:
+                calibrate_suffix(self._sessions, n_h, [not d for d in done])
             for b in range(n_rows):
                 if done[b]:
                     continue

@@ -415,14 +415,45 @@ class SuffixProposal:
         """Greedy top-1 chain of at most ``k`` tokens: from the root, repeatedly take the
         highest-score child (its first child), stopping before a node whose score (estimated path
         probability) is below ``min_score``. This is what a chain-only caller should draft."""
-        out, i = [], 0
-        while len(out) < k:
+        return self.best_path(k, min_score)[0]
+
+    def best_path(self, k: int, min_score: float = 0.0) -> tuple[list[int], list[float]]:
+        """:meth:`best_chain` and the score of each of its nodes."""
+        toks, scores, i = [], [], 0
+        while len(toks) < k:
             kids = self.children(i)
             if not kids or self.scores[kids[0]] < min_score:
                 break
             i = kids[0]
-            out.append(self.tokens[i])
-        return out
+            toks.append(self.tokens[i])
+            scores.append(self.scores[i])
+        return toks, scores
+
+
+class AcceptanceCalibration:
+    """Accepted / predicted drafts of one request (decayed sums), for sampled rounds.
+
+    A suffix node's score is the share of the matched context's occurrences that continued along
+    its path. A greedy target repeats itself, so that share predicts acceptance; a sampled target
+    accepts a deterministic draft x with probability p(x) only, which the share overstates when the
+    indexed text was itself one sample (the same prompt answered before at T = 0.7: suffix chains
+    ran 0.89x prompt lookup there, drafting 8-token chains of which ~0.2 tokens were accepted).
+    Dividing the drafting threshold by ``scale`` keeps the drafts that pay at the observed rate."""
+
+    DECAY = 0.8  # per drafted round
+
+    def __init__(self):
+        self.predicted = 1.0  # a one-token prior at scale 1
+        self.accepted = 1.0
+
+    @property
+    def scale(self) -> float:
+        return min(1.0, self.accepted / self.predicted)
+
+    def observe(self, scores: list[float], accepted: int) -> None:
+        """One round that drafted a chain with these node ``scores``, of which ``accepted`` were accepted."""
+        self.predicted = self.DECAY * self.predicted + sum(scores)
+        self.accepted = self.DECAY * self.accepted + min(accepted, len(scores))
 
 
 class SuffixIndex:
@@ -513,6 +544,8 @@ class SuffixSession:
         self._trie = _SuffixTrie(index.max_depth)
         self._text = self._trie.new_text()  # grows in place as tokens are appended
         self._trie.extend(tokens)
+        self.calibration = AcceptanceCalibration()
+        self.drafted_scores: list[float] = []  # scores of the chain last proposed (suffix_chains)
 
     def extend(self, tokens) -> None:
         """Append generated tokens; incremental (no rebuild)."""

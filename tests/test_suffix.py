@@ -297,6 +297,38 @@ def test_min_score_cuts_chains_and_prunes_packed_trees():
     assert pack_suffix_trees([weak], 1, 8, [True]) is None and pack_suffix_trees([weak], 1, 8, [True], min_match=1)
 
 
+def test_sampled_rounds_calibrate_the_threshold_by_observed_acceptance():
+    """A sampled round's chain is cut at min_score / scale, scale = decayed accepted / predicted
+    drafts of this request (capped at 1): after rounds that accept nothing, only drafts the
+    observed rate still makes worth it remain; greedy (calibrated=False) ignores the scale."""
+    from specgraph.compiler import calibrate_suffix, suffix_chains
+    from specgraph.suffix import AcceptanceCalibration
+
+    ix = SuffixIndex(max_depth=24)
+    for tail in ([4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [4, 9, 9, 9], [8, 8, 8, 8]) * 2:
+        ix.add_document([1, 2, 3] + tail)
+    sess = ix.start([0, 2, 3])
+    assert sess.calibration.scale == 1.0
+    assert suffix_chains([sess], 8, 0.1, calibrated=True) == [[4, 5, 6, 7]]
+    assert sess.drafted_scores == pytest.approx([0.8, 0.6, 0.6, 0.6])
+    calibrate_suffix([sess], [1], [True])  # nothing accepted: (0.8 * 1 + 0) / (0.8 * 1 + 2.6)
+    assert sess.calibration.scale == pytest.approx(0.8 / 3.4)
+    assert suffix_chains([sess], 8, 0.1, calibrated=True) == [[4, 5, 6, 7]]  # 0.6 >= 0.1 / 0.235
+    calibrate_suffix([sess], [1], [True])
+    scale = sess.calibration.scale
+    assert scale < 1 / 8 and suffix_chains([sess], 8, 0.1, calibrated=True) == [[]]  # 0.8 < 0.1 / scale: a plain step
+    assert suffix_chains([sess], 8, 0.1) == [[4, 5, 6, 7]]  # greedy: uncalibrated
+    half = ix.start([0, 2, 3])
+    half.calibration.accepted, half.calibration.predicted = 0.15, 1.0
+    assert suffix_chains([half], 8, 0.1, calibrated=True) == [[4]]  # 0.6 < 0.1 / 0.15 <= 0.8
+    calibrate_suffix([sess], [5], [False])  # a finished row is not observed
+    assert sess.calibration.scale == scale
+    c = AcceptanceCalibration()
+    for _ in range(20):
+        c.observe([1.0, 1.0], 5)  # accepted counts only the drafted chain (padding can match by chance)
+    assert c.scale == 1.0
+
+
 @settings(derandomize=True, max_examples=60, deadline=None, database=None)
 @given(st.lists(tok_lists(0, 25), min_size=1, max_size=25), st.integers(0, 60), st.integers(2, 8), tok_lists(0, 30))
 def test_global_budget_and_eviction(docs, budget, max_depth, ctx):
