@@ -75,7 +75,7 @@ def parse_paths(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(r) for r in p.split(",")) for p in text.split(";")]
 
 
-def learned_objects(model, args) -> dict:
+def learned_objects(model, args, autotune) -> dict:
     """Compiled objects for ``--learned``: EAGLE / Medusa heads (a given file, else the shipped head)."""
     from specgraph.heads import find_head, load_head
 
@@ -95,7 +95,7 @@ def learned_objects(model, args) -> dict:
             tree = [p for p in parse_paths(args.medusa_tree) if len(p) <= heads[kind].num_heads]
         k = min(args.k, heads[kind].num_heads) if kind == "medusa" else args.k  # a head per drafted token
         out[w] = specgraph.compile(model, heads[kind], num_speculative_tokens=k, tree=tree, backend=args.backend,
-                                   max_batch_size=1, max_seq_len=args.max_seq_len, autotune=args.autotune_resolved)
+                                   max_batch_size=1, max_seq_len=args.max_seq_len, autotune=autotune)
     return out
 
 
@@ -141,7 +141,6 @@ def main(argv=None) -> int:
     pad = model.generation_config.pad_token_id or eos
     N = args.max_new_tokens
     autotune = "auto" if args.autotune is None else args.autotune
-    args.autotune_resolved = autotune
     sg_plain = specgraph.compile(model, None, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
                                  autotune=autotune)
     sg_ngram = specgraph.compile(model, "ngram", num_speculative_tokens=args.k, backend=args.backend,
@@ -162,7 +161,7 @@ def main(argv=None) -> int:
         model, draft, num_speculative_tokens=args.k, backend=args.backend, max_batch_size=1, max_seq_len=args.max_seq_len,
         autotune=autotune)
 
-    learned = learned_objects(model, args)
+    learned = learned_objects(model, args, autotune)
 
     def sync():
         if args.device.startswith("cuda"):
@@ -180,10 +179,8 @@ def main(argv=None) -> int:
             if fast.draft == "suffix":  # each call starts empty: earlier runs of the same prompt would be drafted
                 fast.suffix_index = SuffixIndex()
             out = fast.generate(ids, max_new_tokens=N, eos_token_id=eos, pad_token_id=pad, **sampling)
-            st = fast.stats
-            # acceptance at depth j: drafts at position j accepted / drafted (the survival curve)
-            per_depth = [a / d for a, d in zip(st.accepted_at, st.drafted_at) if d]
-            return out, (st.as_dict()["mean_emitted_per_round"], per_depth)
+            st = fast.stats.as_dict()  # survival_per_position[j]: drafts at depth j + 1 accepted / drafted
+            return out, (st["mean_emitted_per_round"], st["survival_per_position"])
         return run
 
     methods = {

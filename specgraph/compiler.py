@@ -608,13 +608,12 @@ class SpecGraphModel:
         if device.type == "cpu":
             config["cpp.threads"] = 1
         nbytes = weight_bytes(*((self.model,) if weights is None else weights))
-        decided = []
 
         def decide_freezing():
             # at the first call, when the graph is compiled: objects that never run a shape reserve nothing
             if self.freeze and nbytes and not FREEZE_BUDGET.reserve(device, nbytes, self._frozen_account):
                 config["freezing"] = False
-                if not any(not f for f in self.graph_frozen.values()):
+                if all(self.graph_frozen.values()):  # the object's first unfrozen graph
                     warnings.warn(
                         f"specgraph: frozen graphs of this process already hold "
                         f"{FREEZE_BUDGET.used.get(device.type, 0) / 2**30:.1f} GB of weight copies (budget "
@@ -622,13 +621,12 @@ class SpecGraphModel:
                         f"further graphs compile without freezing (slower matmuls on CPU, no weight copy)",
                         stacklevel=4)
             self.graph_frozen[graph] = config["freezing"]
-            decided.append(True)
 
         if device.type != "cuda":
             compiled = torch.compile(fn, dynamic=False, fullgraph=True)
 
             def run(*args):
-                if not decided:
+                if graph not in self.graph_frozen:
                     decide_freezing()
                 with torch._inductor.config.patch(config):
                     return compiled(*args)
@@ -641,7 +639,7 @@ class SpecGraphModel:
         compiled = torch.compile(fn, mode="reduce-overhead", dynamic=False, fullgraph=True)
 
         def run_cuda(*args):
-            if not decided:
+            if graph not in self.graph_frozen:
                 decide_freezing()
             with torch._inductor.config.patch(config):
                 out = compiled(*args)
