@@ -775,6 +775,15 @@ def lr_at(step: int, cfg: TrainConfig, total: int | None) -> float:
     return cfg.lr * warm * cos
 
 
+def plan_total_steps(step: int, deadline: float, seconds_per_step: float, margin: float = 0.98,
+                     now: float | None = None) -> int:
+    """Total steps for the learning-rate schedule: ``step`` plus the steps that fit before
+    ``deadline`` at ``seconds_per_step`` (the rate includes evaluations and checkpoints), less a
+    ``margin`` for the final evaluation; at least one more step."""
+    left = deadline - (time.time() if now is None else now)
+    return step + max(1, int(margin * left / max(seconds_per_step, 1e-9)))
+
+
 def save_checkpoint(path: Path, head, opt, noise_gen: torch.Generator, state: dict) -> None:
     from safetensors.torch import save_file
 
@@ -927,16 +936,24 @@ def train_head(model, data: dict, out: Path, cfg: TrainConfig, *, d2t: torch.Ten
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", epoch=state["epoch"])
         if total is None and steps_here == 10 and deadline is not None:
-            per_step = (time.time() - t_start) / steps_here
-            total = state["step"] + max(1, int(0.92 * (deadline - time.time()) / per_step))  # evals, checkpoints
+            state["budget_planned"] = True
+            total = plan_total_steps(state["step"], deadline, (time.time() - t_start) / steps_here, margin=0.92)
             state["total_steps"] = total
             bar.total = total
             bar.refresh()
-            log(f"{per_step:.2f} s/step: planning {total} steps")
+            log(f"{(time.time() - t_start) / steps_here:.2f} s/step: planning {total} steps")
         if state["step"] % cfg.checkpoint_every == 0:
             ev = evaluate(head, data, held, cfg, device)
             ev["step"] = state["step"]
             state["evals"].append(ev)
+            if state.get("budget_planned") and deadline is not None and cfg.max_steps is None:
+                # the first plan came from 10 steps, before the machine's load (another job, evaluations)
+                # showed: re-plan on the rate so far so the cosine schedule ends when the budget does
+                total = plan_total_steps(state["step"], deadline, (time.time() - t_start) / steps_here)
+                if total != state["total_steps"]:
+                    log(f"step {state['step']}: {(time.time() - t_start) / steps_here:.2f} s/step, "
+                        f"re-planned {state['total_steps']} -> {total} steps")
+                state["total_steps"] = bar.total = total
             _ckpt()
     bar.close()
     finished = stopped_by != "stop_at"

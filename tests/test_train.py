@@ -235,6 +235,31 @@ def test_eagle_training_decreases_loss_and_resumes_exactly(target, cached, tmp_p
     assert st_a["step"] == st_b["step"] == 36
 
 
+def test_budget_schedule_is_replanned_when_steps_slow_down(target, cached, tmp_path, monkeypatch):
+    """A time budget plans the cosine schedule from the first 10 steps; when later steps get slower
+    (another job on the machine), the plan is redone at each checkpoint, so the learning rate has
+    decayed when the budget ends instead of being cut off mid-schedule."""
+    data = cached.load()
+    d2t, _ = T.build_draft_vocab(data["labels"], 128, 64)
+    real_loss, calls = T.eagle_loss, [0]
+
+    def slower_after_10(*a, **kw):
+        calls[0] += 1
+        if calls[0] > 10:
+            time.sleep(0.15)
+        return real_loss(*a, **kw)
+
+    monkeypatch.setattr(T, "eagle_loss", slower_after_10)
+    cfg = _cfg(max_steps=None, checkpoint_every=4, eval_tokens=256)
+    _, log = T.train_head(target, data, tmp_path / "a", cfg, d2t=d2t, deadline=time.time() + 12, progress=False,
+                          log=lambda *a: None)
+    last_lr = log["loss_curve"][-1]["lr"]
+    # unplanned (the first 10 steps' rate) the run would stop early in its schedule, lr near its peak
+    assert log["stopped_by"] in ("steps", "time budget") and log["steps"] > 20
+    assert last_lr < cfg.lr * 0.4, (last_lr, log["steps"])
+    assert T.plan_total_steps(5, 100.0, 2.0, margin=1.0, now=60.0) == 25  # 40 s left at 2 s/step
+
+
 def test_checkpoint_loader_refuses_pickles(tmp_path):
     p = tmp_path / "checkpoint.safetensors"
     torch.save({"a": torch.zeros(1)}, p)
