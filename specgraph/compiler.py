@@ -401,7 +401,7 @@ class SpecGraphModel:
     """What :func:`compile` returns. Call :meth:`generate`; read :attr:`stats`."""
 
     def __init__(self, model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True,
-                 autotune=False):
+                 autotune=False, tree_nodes="auto"):
         if backend not in ("inductor", "eager"):
             raise ValueError(f"backend must be 'inductor' or 'eager', got {backend!r}")
         draft_model = None
@@ -428,6 +428,18 @@ class SpecGraphModel:
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be a positive int, got {num_speculative_tokens!r}")
         self.tree, self.tree_rank = self._parse_tree(tree, draft)
+        # EAGLE-2 trees: how many drafted nodes a round verifies (and how deep), from this machine's costs
+        self.tree_nodes, self.tree_choice = None, None
+        if tree_nodes != "auto":
+            if not (self.tree == "dynamic" and draft == "eagle"):
+                raise ValueError("tree_nodes= sizes EAGLE-2 dynamic trees: it needs an EAGLE head and tree='dynamic'")
+            if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
+                raise ValueError(f"tree_nodes must be a positive int or 'auto', got {tree_nodes!r}")
+            self.tree_nodes = tree_nodes
+        elif self.tree == "dynamic" and draft == "eagle":
+            self.tree_choice = learned.choose_dynamic_tree(model, head, num_speculative_tokens)
+            if self.tree_choice is not None:
+                num_speculative_tokens, self.tree_nodes = self.tree_choice["depth"], self.tree_choice["nodes"]
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
         if model.training:
@@ -1149,6 +1161,7 @@ def compile(
     depths=None,
     plan=None,
     autotune="auto",
+    tree_nodes="auto",
 ) -> SpecGraphModel:
     """Compile ``model`` (an HF causal LM in eval mode) for speculative generation.
 
@@ -1174,6 +1187,14 @@ def compile(
     (default): on for CPU models of at least ``AUTOTUNE_MIN_PARAMS`` parameters, off on CUDA and for
     small models (see :func:`resolve_autotune`).
 
+    ``tree_nodes`` (EAGLE with ``tree="dynamic"``): drafted nodes verified per round. ``"auto"``
+    (default): measured here, once: the target's cost of N query tokens and the head's step cost
+    on this machine, with the acceptance per depth recorded in the head file by ``train-drafter``,
+    choose the depth (at most ``num_speculative_tokens``) and N with the most expected tokens per
+    second (:func:`specgraph.learned.choose_dynamic_tree`; ``fast.tree_choice`` holds the
+    measurements and predictions). A head without recorded acceptance keeps depth
+    ``num_speculative_tokens`` and ``EAGLE_TREE_NODES`` nodes. An int fixes N.
+
     ``depths``: for model-free chains (``"ngram"``, ``"suffix"``), the depths to move between
     (default: ``min(K, 4)`` and ``K``); the largest replaces ``num_speculative_tokens``.
 
@@ -1197,7 +1218,7 @@ def compile(
     elif plan is not None:
         raise ValueError("plan= is read by num_speculative_tokens='auto'")
     fast = SpecGraphModel(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze,
-                          resolve_autotune(autotune, model))
+                          resolve_autotune(autotune, model), tree_nodes)
     if auto:
         adaptive.enable_auto(fast, depths, plan)
     elif depths is not None:

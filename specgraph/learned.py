@@ -43,7 +43,11 @@ from specgraph.warping import SamplingParams, warped_probs
 
 LEARNED = ("eagle", "medusa")
 EAGLE_TREE_TOPK = 4  # dynamic trees: children tried per expanded node, and nodes expanded per depth
-EAGLE_TREE_NODES = 16  # dynamic trees: drafted nodes kept (the compiled tree round has this + 1 nodes)
+EAGLE_TREE_NODES = 16  # dynamic trees without a measured choice: drafted nodes kept (the round has this + 1)
+TREE_NODE_GRID = (4, 8, 12, 16, 24, 32, 48, 63)  # tree_nodes="auto" chooses among these (the round: + 1)
+# the held-out evaluation records top-1 and top-4 agreement per depth; the top-4 mass beyond rank 0
+# is split over ranks 1..3 in these proportions (a prior: the head's rank curve is not recorded)
+RANK_SPLIT = (0.5, 0.3, 0.2)
 _DEPTH_TIEBREAK = 1e-6  # dynamic trees: a child always ranks strictly below its parent (see _dynamic_tree_fn)
 
 
@@ -109,6 +113,133 @@ def make_drafter(sg, head):
     if isinstance(head, MedusaHeads):
         return MedusaDrafter(sg, head)
     raise TypeError(f"not a drafter head: {type(head).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------
+# dynamic-tree size (tree_nodes="auto")
+
+
+def rank_acceptance(head, topk: int = EAGLE_TREE_TOPK) -> list[list[float]] | None:
+    """P(the target's greedy token is the head's rank-r token at depth d) [D][topk] from the head
+    file's held-out evaluation (``specgraph train-drafter`` writes top-1 / top-4 agreement per
+    depth), or None when the head carries none (a head built in memory, or trained elsewhere)."""
+    ev = ((getattr(head, "file_meta", None) or {}).get("meta") or {}).get("final_eval") or {}
+    ev = ev.get("all") or {}
+    rows, d = [], 1
+    while f"top1_depth{d}" in ev:
+        top1, top4 = float(ev[f"top1_depth{d}"]), max(float(ev.get(f"top4_depth{d}", 0.0)), float(ev[f"top1_depth{d}"]))
+        rows.append(([top1] + [(top4 - top1) * w for w in RANK_SPLIT])[:topk])
+        d += 1
+    return rows or None
+
+
+def _timed(fn, device, repeats: int) -> float:
+    """Median seconds of ``fn()`` after one warm-up call."""
+    import statistics
+    import time
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, repeats: int = 3) -> dict:
+    """Seconds of one eager target step of N query tokens over a ``context``-token slot cache, per N in
+    ``query_sizes``, and of one eager head step (+ its draft logits) of Q rows, per Q in
+    ``head_rows``. Eager, not compiled: compiling a round graph per candidate size would take
+    minutes; the eager curve is a proxy for the compiled one (its fixed per-call overhead is
+    larger, so it favours larger trees slightly)."""
+    from specgraph.capture import Step, new_kv_cache
+
+    dev = next(model.parameters()).device
+    p = next(head.parameters())
+    V = model.get_output_embeddings().weight.shape[0]
+    S = context + max(*query_sizes, *head_rows) + 1
+    ids = (torch.arange(S, device=dev) * 7919 % V).unsqueeze(0)
+    step, kv = Step(model), new_kv_cache(model, 1, S)  # the round's step (slot KV cache), uncompiled
+    target = {}
+    for n in sorted(set(query_sizes)):
+        pos = torch.arange(context, context + n, device=dev).unsqueeze(0)
+        mask = torch.zeros(1, 1, n, S, dtype=p.dtype, device=dev)  # cost does not depend on what is masked
+        target[n] = _timed(lambda n=n, pos=pos, mask=mask: step(ids[:, :n], pos, mask, pos, *kv), dev, repeats)
+    H = head.config["hidden_size"]
+    hk, hv = head.new_cache(1, S)
+    heads = {}
+    for q in sorted(set(head_rows)):
+        tok = ids[:, :q]
+        feats = torch.randn(1, q, H, dtype=p.dtype, device=dev)
+        pos = torch.arange(context, context + q, device=dev).unsqueeze(0)
+        mask = torch.zeros(1, 1, q, S, dtype=p.dtype, device=dev)
+
+        def hstep(tok=tok, feats=feats, pos=pos, mask=mask):
+            out = head(tok, feats, pos, mask, pos, hk, hv)
+            torch.log_softmax(head.logits(out).float(), dim=-1).topk(EAGLE_TREE_TOPK, dim=-1)
+        heads[q] = _timed(hstep, dev, repeats)
+    return {"target": target, "head": heads, "context": context}
+
+
+def dynamic_tree_candidates(depth: int, topk: int = EAGLE_TREE_TOPK) -> int:
+    """Nodes an EAGLE-2 expansion of ``depth`` levels scores: topk children of the root, then topk^2 per level."""
+    return topk + (depth - 1) * topk ** 2
+
+
+def plan_dynamic_tree(rank_accept, costs: dict, max_depth: int, topk: int = EAGLE_TREE_TOPK,
+                      grid=TREE_NODE_GRID) -> dict:
+    """The (depth, nodes) of an EAGLE-2 tree with the most expected tokens per second.
+
+    Per round: expected emitted tokens = :func:`specgraph.perfmodel.best_tree` of ``rank_accept``
+    (the best N-node tree of that depth, as EAGLE-2's rerank keeps the best N candidates), time =
+    target forward of N + 1 tokens + head feed step (depth + 1 rows) + (depth - 1) expansions of
+    ``topk`` rows. ``costs`` from :func:`measure_tree_costs`; a size whose cost was not measured is
+    skipped. Returns the choice and every candidate's prediction (speedup over one plain step)."""
+    from specgraph.perfmodel import best_tree
+
+    tgt, hd = costs["target"], costs["head"]
+    table = []
+    for depth in range(1, max_depth + 1):
+        if depth + 1 not in hd or (depth > 1 and topk not in hd):
+            continue
+        draft = hd[depth + 1] + (depth - 1) * (hd[topk] if depth > 1 else 0.0)
+        for n in grid:
+            if n > dynamic_tree_candidates(depth, topk) or n + 1 not in tgt:
+                continue
+            emitted, _ = best_tree([r[:topk] for r in rank_accept], n, depth)
+            seconds = tgt[n + 1] + draft
+            table.append({"depth": depth, "nodes": n, "expected_emitted": round(emitted, 4),
+                          "round_seconds": seconds, "speedup": emitted * tgt[1] / seconds})
+    if not table:
+        raise ValueError("no (depth, nodes) candidate has measured costs")
+    best = max(table, key=lambda r: r["speedup"])
+    return {"depth": best["depth"], "nodes": best["nodes"], "predicted_speedup": best["speedup"],
+            "expected_emitted": best["expected_emitted"], "candidates": table}
+
+
+def choose_dynamic_tree(model, head, max_depth: int, topk: int = EAGLE_TREE_TOPK, grid=TREE_NODE_GRID,
+                        repeats: int = 3) -> dict | None:
+    """``tree_nodes="auto"``: measure this machine's costs (:func:`measure_tree_costs`) and plan the
+    tree (:func:`plan_dynamic_tree`) from the head's recorded acceptance; None when the head has no
+    recorded acceptance (then the fixed default size is used)."""
+    accept = rank_acceptance(head, topk)
+    if accept is None:
+        return None
+    grid = [n for n in grid if n <= dynamic_tree_candidates(max_depth, topk)] or [min(grid)]
+    costs = measure_tree_costs(model, head, [1] + [n + 1 for n in grid], sorted({topk, *range(2, max_depth + 2)}),
+                               repeats=repeats)
+    plan = plan_dynamic_tree(accept, costs, max_depth, topk, grid)
+    plan["costs"] = {k: ({str(n): t for n, t in v.items()} if isinstance(v, dict) else v) for k, v in costs.items()}
+    plan["rank_acceptance"] = accept
+    return plan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,8 +364,8 @@ class EagleDrafter(_HeadDrafter):
         self.topk = min(EAGLE_TREE_TOPK, self.Vd)
         D = sg.k
         # dynamic trees: candidates = k children of the root + k^2 per deeper level; keep the best
-        self.candidates = self.topk + (D - 1) * self.topk ** 2
-        self.tree_nodes = min(EAGLE_TREE_NODES, self.candidates) + 1
+        self.candidates = dynamic_tree_candidates(D, self.topk)
+        self.tree_nodes = min(sg.tree_nodes or EAGLE_TREE_NODES, self.candidates) + 1
         # chains and static trees write below L + span <= max_seq_len (checked per request), i.e. below
         # the scratch slot; a dynamic tree writes k head rows per expanded depth, maybe more than N
         self.slots = sg.slots + ((D - 1) * self.topk if self.dynamic else 0)  # last = scratch

@@ -98,6 +98,41 @@ def tree_expected_emitted(parents, accept_prob) -> float:
     return tree_expected_accepted(parents, accept_prob) + 1.0
 
 
+def best_tree(rank_accept, num_nodes: int, max_depth: int) -> tuple[float, list[int]]:
+    """The tree of at most ``num_nodes`` drafted nodes and depth ``max_depth`` with the most expected
+    emitted tokens, when the child of rank r at depth d is accepted with probability
+    ``rank_accept[d - 1][r]`` given its parent was (rows past the last repeat the last; ranks of one
+    depth are disjoint events: each row must sum to <= 1).
+
+    A node's reach probability is the product along its path, so a child never beats its parent:
+    taking paths best-first (a heap) keeps the chosen set closed under ancestors, and the best N
+    paths are the best tree of N nodes. Returns (expected emitted tokens = 1 + Σ reach, parents with
+    -1 for the root, nodes in the order taken, a topological order)."""
+    import heapq
+
+    rows = [list(map(float, r)) for r in rank_accept]
+    if not rows or any(not r for r in rows):
+        raise ValueError("rank_accept needs at least one depth with at least one rank")
+    for d, r in enumerate(rows, start=1):
+        if any(p < 0 or p > 1 for p in r) or sum(r) > 1 + 1e-9:
+            raise ValueError(f"rank_accept row of depth {d} must hold probabilities summing to <= 1, got {r}")
+    if num_nodes < 0 or max_depth < 1:
+        raise ValueError("num_nodes must be >= 0 and max_depth >= 1")
+    parents, total = [-1], 1.0
+    heap = [(-p, 0, r, 1) for r, p in enumerate(rows[0])]  # (-reach, parent node, rank, depth)
+    heapq.heapify(heap)
+    while heap and len(parents) <= num_nodes:
+        neg, par, _, depth = heapq.heappop(heap)
+        parents.append(par)
+        total += -neg
+        if depth < max_depth:
+            row = rows[min(depth, len(rows) - 1)]
+            node = len(parents) - 1
+            for r, p in enumerate(row):
+                heapq.heappush(heap, (neg * p, node, r, depth + 1))
+    return total, parents
+
+
 def speedup_table(betas: Sequence[float], gammas: Sequence[int], c: float) -> list[dict]:
     """Rows of {beta, gamma, c, expected_emitted, speedup} for printing."""
     return [

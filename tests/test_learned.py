@@ -439,3 +439,86 @@ def test_rejects_bad_heads():
         specgraph.compile(model, medusa, tree="dynamic", backend="eager")
     with pytest.raises(ValueError, match="dynamic"):
         specgraph.compile(model, "ngram", tree="dynamic", backend="eager")
+
+
+# ----------------------------------------------------------------------------------------------
+# tree_nodes="auto": the dynamic tree's size from measured costs and recorded acceptance
+
+
+def _brute_best_tree(rows, num_nodes, max_depth, topk):
+    """Max over all ancestor-closed node sets of size <= num_nodes of the full topk-ary tree."""
+    import itertools
+
+    paths = [p for d in range(1, max_depth + 1) for p in itertools.product(range(topk), repeat=d)]
+
+    def reach(p):
+        out = 1.0
+        for d, r in enumerate(p):
+            out *= rows[min(d, len(rows) - 1)][r]
+        return out
+
+    best = 1.0
+    for n in range(1, num_nodes + 1):
+        for subset in itertools.combinations(paths, n):
+            s = set(subset)
+            if all(p[:-1] in s for p in subset if len(p) > 1):
+                best = max(best, 1.0 + sum(reach(p) for p in subset))
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.floats(0.0, 0.45), min_size=2, max_size=2), min_size=1, max_size=3),
+       st.integers(0, 5), st.integers(1, 3))
+def test_best_tree_is_the_best_ancestor_closed_tree(rows, num_nodes, max_depth):
+    from specgraph.perfmodel import best_tree
+
+    emitted, parents = best_tree(rows, num_nodes, max_depth)
+    assert len(parents) - 1 == min(num_nodes, sum(2 ** d for d in range(1, max_depth + 1)))
+    assert emitted == pytest.approx(_brute_best_tree(rows, num_nodes, max_depth, 2), abs=1e-9)
+    depth = [0]
+    for i, p in enumerate(parents[1:], start=1):
+        assert 0 <= p < i  # topological
+        depth.append(depth[p] + 1)
+    assert max(depth) <= max_depth and all(parents[1:].count(p) <= 2 for p in set(parents[1:]))
+
+
+def test_plan_dynamic_tree_follows_the_cost_curve():
+    from specgraph.learned import plan_dynamic_tree
+
+    accept = [[0.7, 0.1, 0.05, 0.03], [0.6, 0.1, 0.05, 0.03], [0.55, 0.1, 0.05, 0.03]]
+    grid = (4, 8, 16, 32, 48)
+    head = {q: 1e-4 for q in (2, 3, 4)}
+    flat = {"target": {n: 0.01 for n in [1, *(g + 1 for g in grid)]}, "head": head}  # verification free (GPU-like)
+    steep = {"target": {n: 0.01 * (1 + 0.5 * (n - 1)) for n in [1, *(g + 1 for g in grid)]}, "head": head}
+    a = plan_dynamic_tree(accept, flat, 3, grid=grid)
+    b = plan_dynamic_tree(accept, steep, 3, grid=grid)
+    assert (a["depth"], a["nodes"]) == (3, 32)  # the largest size a depth-3 expansion scores (4 + 2 x 16 = 36)
+    assert b["nodes"] <= 8 and b["predicted_speedup"] < a["predicted_speedup"]
+    assert all(c["nodes"] <= 4 + (c["depth"] - 1) * 16 for c in a["candidates"])
+
+
+def test_tree_nodes_auto_measures_and_stays_exact():
+    """A head carrying its held-out evaluation (as train-drafter's files do) gets a measured size;
+    the tree it implies is verified like any other: greedy output == HF."""
+    model = tiny_model("llama")
+    head = random_head(model, "eagle")
+    head.file_meta = {"meta": {"final_eval": {"all": {"top1_depth1": 0.6, "top4_depth1": 0.8, "top1_depth2": 0.5,
+                                                      "top4_depth2": 0.7}}}}
+    fast = specgraph.compile(model, head, num_speculative_tokens=3, tree="dynamic", backend="eager",
+                             max_batch_size=4, max_seq_len=MAX_SEQ)
+    ch = fast.tree_choice
+    assert ch is not None and fast.k == ch["depth"] <= 3 and ch["nodes"] in specgraph.learned.TREE_NODE_GRID
+    assert fast.learned.tree_nodes == min(ch["nodes"], fast.learned.candidates) + 1
+    assert ch["rank_acceptance"][0][0] == 0.6 and len(ch["rank_acceptance"]) == 2
+    best = max(ch["candidates"], key=lambda c: c["speedup"])
+    assert (best["depth"], best["nodes"]) == (ch["depth"], ch["nodes"])
+    ids, mask = left_pad(PROMPTS_3)
+    assert_same(model, ids, mask, hf_generate(model, ids, mask, MAX_NEW), sg_generate(fast, ids, mask, MAX_NEW),
+                "eagle-dynamic tree_nodes=auto")
+    fixed = specgraph.compile(model, head, num_speculative_tokens=3, tree="dynamic", tree_nodes=5, backend="eager",
+                              max_batch_size=4, max_seq_len=MAX_SEQ)
+    assert fixed.tree_choice is None and fixed.learned.tree_nodes == 6 and fixed.k == 3
+    with pytest.raises(ValueError, match="tree_nodes"):
+        specgraph.compile(model, "ngram", tree_nodes=8, backend="eager")
+    with pytest.raises(ValueError, match="tree_nodes"):
+        specgraph.compile(model, head, tree="dynamic", tree_nodes=0, backend="eager")
