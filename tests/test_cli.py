@@ -16,7 +16,10 @@ def test_help_lists_generate():
 @pytest.mark.parametrize("args, message", [
     (["generate", "default", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["generate", "/nonexistent/model", "--prompt", "hi"], "neither 'default'"),
-    (["generate", "default", "--prompt", "hi", "--draft", "medusa"], "invalid choice"),
+    (["generate", "default", "--prompt", "hi", "--draft", "bogus"], "invalid choice"),
+    (["generate", "default", "--prompt", "hi", "--tree", "[[0], 1]"], "--tree must be"),
+    (["generate", "default", "--prompt", "hi", "--draft", "suffix", "--tree", "[[0]]", "--backend", "eager"],
+     "draft='suffix' builds its own trees"),
     (["generate", "default"], "--prompt"),
 ])
 def test_bad_arguments_exit_nonzero_with_a_reason(args, message):
