@@ -507,7 +507,9 @@ def build_cache(model, tok, cache: FeatureCache, *, seed: int, max_len: int, max
             if pending_tokens >= shard_tokens:
                 cache.flush(tf_next=consumed)
                 pending_tokens = 0
-        cache.flush(tf_next=consumed, tf_done=True)
+        # done only when the documents ran out: a run stopped by its deadline leaves the cache open,
+        # so a later run with the same --cache (or --resume) adds to it
+        cache.flush(tf_next=consumed, tf_done=exhausted)
         if cache.tokens > n0:
             rates["tf_cached_tokens_per_s"] = (cache.tokens - n0) / (time.time() - t0)
     bar.close()

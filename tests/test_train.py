@@ -203,6 +203,21 @@ def test_cache_resumes_after_a_crash(target, tmp_path, monkeypatch):
         T.FeatureCache(tmp_path / "full", "other-fp", {})
 
 
+def test_cache_stopped_by_its_budget_stays_open(target, tmp_path):
+    """A data phase that ends on its deadline or token cap (not because the documents ran out)
+    leaves the cache open: a later run with the same --cache adds to it, continuing the stream."""
+    kw = dict(seed=1, max_len=64, gen_share=0.0, gen_new_tokens=8, batch_tokens=256, shard_tokens=256,
+              progress=False, log=lambda *a: None)
+    one = T.FeatureCache(tmp_path / "one", "fp", {})
+    T.build_cache(target, ByteTok(), one, deadline=time.time() + 120, max_tokens=3000, **kw)
+    two = T.FeatureCache(tmp_path / "two", "fp", {})
+    T.build_cache(target, ByteTok(), two, deadline=time.time() + 120, max_tokens=1200, **kw)
+    assert not two.index["tf_done"] and two.index["tokens"] < one.index["tokens"]
+    T.build_cache(target, ByteTok(), two, deadline=time.time() + 120, max_tokens=3000, **kw)
+    a, b = one.load(), two.load()
+    assert a["sources"] == b["sources"] and torch.equal(a["ids"], b["ids"])
+
+
 # ------------------------------------------------------------------------------------------ training
 
 
