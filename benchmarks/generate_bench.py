@@ -94,6 +94,8 @@ def learned_objects(model, args, autotune) -> dict:
         if tree == "default":  # the --medusa-tree paths, cut to the heads' depth
             tree = [p for p in parse_paths(args.medusa_tree) if len(p) <= heads[kind].num_heads]
         k = min(args.k, heads[kind].num_heads) if kind == "medusa" else args.k  # a head per drafted token
+        if tree == "dynamic":  # the deepest EAGLE-2 tree; compile's tree_nodes="auto" picks depth <= it and N
+            k = getattr(args, "tree_depth", None) or args.k
         out[w] = specgraph.compile(model, heads[kind], num_speculative_tokens=k, tree=tree, backend=args.backend,
                                    max_batch_size=1, max_seq_len=args.max_seq_len, autotune=autotune)
     return out
@@ -127,6 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--medusa-tree", default="0;1;2;0,0;0,1;1,0;0,0,0;0,0,1;0,0,0,0",
                     help="Medusa static tree as ';'-separated paths of ranks (cut to the heads' depth)")
     ap.add_argument("--eagle-head", default=None, help="EAGLE head .safetensors (default: the shipped one)")
+    ap.add_argument("--tree-depth", type=int, default=6,
+                    help="eagle_tree: the deepest dynamic tree (the depth and node count are chosen by "
+                         "compile's tree_nodes='auto' from this machine's costs)")
     ap.add_argument("--medusa-head", default=None, help="Medusa head .safetensors (default: the shipped one)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: sample at this temperature (seeded per run; no equality check) instead of greedy")
@@ -213,7 +218,12 @@ def main(argv=None) -> int:
             "k": args.k, "k_long": args.k_long, "suffix_k": args.suffix_k, "draft_layers": args.draft_layers, "autotune": sg_plain.autotune,
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
             "dtype": args.dtype, "max_seq_len": args.max_seq_len, "temperature": args.temperature,
-            "learned": args.learned, "eagle_head": args.eagle_head, "medusa_head": args.medusa_head}
+            "learned": args.learned, "eagle_head": args.eagle_head, "medusa_head": args.medusa_head,
+            "tree_choices": {name: {k: v for k, v in fast.tree_choice.items() if k != "candidates"}
+                             for name, fast in learned.items() if fast.tree_choice is not None}}
+    for name, ch in meta["tree_choices"].items():
+        print(f"[{name}] dynamic tree: depth {ch['depth']}, {ch['nodes']} nodes, predicted "
+              f"{ch['predicted_speedup']:.2f}x a plain step ({ch['expected_emitted']:.2f} tokens/round)", file=sys.stderr)
     rows = []
     for pname in args.prompts.split(","):
         ids = _ids(tok, PROMPTS[pname]).to(args.device)
