@@ -437,7 +437,11 @@ class SpecGraphModel:
                 raise ValueError(f"tree_nodes must be a positive int or 'auto', got {tree_nodes!r}")
             self.tree_nodes = tree_nodes
         elif self.tree == "dynamic" and draft == "eagle":
-            self.tree_choice = learned.choose_dynamic_tree(model, head, num_speculative_tokens)
+            try:
+                self.tree_choice = learned.choose_dynamic_tree(model, head, num_speculative_tokens)
+            except Exception as e:  # noqa: BLE001 - a size is an optimisation: keep the default, say why
+                warnings.warn(f"specgraph: could not measure this machine's tree costs ({type(e).__name__}: {e}); "
+                              f"using {learned.EAGLE_TREE_NODES} nodes", stacklevel=3)
             if self.tree_choice is not None:
                 num_speculative_tokens, self.tree_nodes = self.tree_choice["depth"], self.tree_choice["nodes"]
         if max_batch_size < 1 or max_seq_len < 2:
