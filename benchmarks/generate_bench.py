@@ -96,8 +96,9 @@ def learned_objects(model, args, autotune) -> dict:
         k = min(args.k, heads[kind].num_heads) if kind == "medusa" else args.k  # a head per drafted token
         if tree == "dynamic":  # the deepest EAGLE-2 tree; compile's tree_nodes="auto" picks depth <= it and N
             k = getattr(args, "tree_depth", None) or args.k
+        sized = {"tree_nodes": getattr(args, "tree_nodes", "auto")} if tree == "dynamic" else {}
         out[w] = specgraph.compile(model, heads[kind], num_speculative_tokens=k, tree=tree, backend=args.backend,
-                                   max_batch_size=1, max_seq_len=args.max_seq_len, autotune=autotune)
+                                   max_batch_size=1, max_seq_len=args.max_seq_len, autotune=autotune, **sized)
     return out
 
 
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--medusa-tree", default="0;1;2;0,0;0,1;1,0;0,0,0;0,0,1;0,0,0,0",
                     help="Medusa static tree as ';'-separated paths of ranks (cut to the heads' depth)")
     ap.add_argument("--eagle-head", default=None, help="EAGLE head .safetensors (default: the shipped one)")
+    ap.add_argument("--tree-nodes", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="eagle_tree: drafted nodes per round (an int fixes N and uses --tree-depth as the depth)")
     ap.add_argument("--tree-depth", type=int, default=6,
                     help="eagle_tree: the deepest dynamic tree (the depth and node count are chosen by "
                          "compile's tree_nodes='auto' from this machine's costs)")
