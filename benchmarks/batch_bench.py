@@ -208,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--backend", default=None, help="inductor or eager (default inductor; smoke: eager)")
     ap.add_argument("--freeze", action="store_true", help="Inductor freezing (a weight copy per graph)")
+    ap.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,
+                    help="Inductor GEMM autotuning (default: compile()'s 'auto'; off halves compile time)")
     ap.add_argument("--cost-repeats", type=int, default=3, help="timed calls per (N, B) of the cost curve")
     ap.add_argument("--out", default="benchmarks/results/batch_bench.json")
     args = ap.parse_args(argv)
@@ -226,7 +228,8 @@ def main(argv=None) -> int:
     def compiled(model, draft, prompts):
         longest = max(len(p) for p in prompts) + args.max_new_tokens + max(gammas) + 2
         fast = specgraph.compile(model, draft, num_speculative_tokens="auto", depths=gammas, backend=backend,
-                                 max_batch_size=max_b, max_seq_len=max(longest, 64), freeze=args.freeze)
+                                 max_batch_size=max_b, max_seq_len=max(longest, 64), freeze=args.freeze,
+                                 autotune="auto" if args.autotune is None else args.autotune)
         say(f"measuring the cost curve for auto (B in {batch_sizes}, depths {gammas})")
         context = max(len(p) for p in prompts) + args.max_new_tokens // 2
         cost, samples = measure_cost_model(fast, batch_sizes, [1] + [g + 1 for g in gammas], context,
@@ -265,6 +268,7 @@ def main(argv=None) -> int:
         print(f"{s['workload']:<24} {s['batch']:>3} {sub['off']:8.1f} " + " ".join(f"{sub[f'gamma={g}']:8.1f}" for g in gammas)
               + f" {sub['auto']:8.1f} {s['auto_vs_best']:9.2f}x" + ("" if s["meets_targets"] else "  (target missed)"))
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "backend": backend, "freeze": args.freeze,
+            "autotune": args.autotune,
             "smoke": smoke, "batch_sizes": batch_sizes, "gammas": gammas, "betas": betas,
             "max_new_tokens": args.max_new_tokens, "runs": args.runs, "models": meta_models,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "seconds": time.perf_counter() - t_start}
