@@ -6,6 +6,9 @@ Workloads (each a list of prompts cycled into static batches of B rows; all rows
 
 * ``smollm2-ngram``: SmolLM2-135M-Instruct (``specgraph.models.load_model("default")``, fp32), the
   package's sample prompts (``specgraph.cli.BENCH_PROMPTS``) with prompt lookup drafts;
+* ``smollm2-draft6L``: the same with SmolLM2's first 6 of 30 layers as a draft model (prompt lookup
+  is not used): a draft whose cost is not repaid by its acceptance on this CPU, which "auto" must
+  switch off;
 * ``llama1b-replay-β``: a random-weight Llama of about 1.1B parameters (``LlamaConfig`` built here,
   fp32) on seeded random prompts, drafted by :class:`specgraph.drafters.ReplayDrafter`: the
   target's own greedy continuation (HF ``generate``, once per prompt), each token corrupted with
@@ -198,7 +201,9 @@ def ints(v):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny random models, B in 1,2, few tokens, eager backend")
-    ap.add_argument("--models", default="smollm2,llama1b", help="workload families: smollm2, llama1b")
+    ap.add_argument("--models", default="smollm2,llama1b",
+                    help="workload families: smollm2 (prompt lookup), smollm2-draft6L (its first 6 layers as a "
+                         "draft model), llama1b (replay drafts at set acceptance rates)")
     ap.add_argument("--batch-sizes", type=ints, default=None, help="default 1,2,4,8,16,32 (smoke: 1,2)")
     ap.add_argument("--gammas", type=ints, default=None, help="fixed depths, also auto's depth set (default 2,4,8)")
     ap.add_argument("--betas", type=lambda v: [float(x) for x in v.split(",")], default=None,
@@ -244,6 +249,16 @@ def main(argv=None) -> int:
             meta_models[fam] = {"params": sum(p.numel() for p in model.parameters()), "prompts": len(prompts),
                                 "cost": cost.to_dict()}
             rows += bench_workload(f"{tag}{fam}-ngram", fast, prompts, args, batch_sizes, gammas)
+        elif fam == "smollm2-draft6L":  # a draft too slow for its acceptance: auto must gate it off
+            sys.path.insert(0, os.path.dirname(__file__))
+            from generate_bench import truncated_draft
+
+            model, prompts = smollm2(smoke)
+            layers = 1 if smoke else 6
+            fast, cost = compiled(model, truncated_draft(model, layers), prompts)
+            meta_models[fam] = {"params": sum(p.numel() for p in model.parameters()), "prompts": len(prompts),
+                                "draft_layers": layers, "cost": cost.to_dict()}
+            rows += bench_workload(f"{tag}{fam}", fast, prompts, args, batch_sizes, gammas)
         elif fam == "llama1b":
             model = llama_1b(smoke)
             V = model.config.vocab_size
@@ -259,7 +274,7 @@ def main(argv=None) -> int:
                 rows += bench_workload(f"{tag}{fam}-replay-{beta:g}", fast, prompts, args, batch_sizes, gammas,
                                        {"beta": beta})
         else:
-            ap.error(f"unknown model family {fam!r} (smollm2, llama1b)")
+            ap.error(f"unknown model family {fam!r} (smollm2, smollm2-draft6L, llama1b)")
     summ = summary(rows)
     print(f"\n{'workload':<24} {'B':>3} {'off':>8} " + " ".join(f"{'γ=' + str(g):>8}" for g in gammas)
           + f" {'auto':>8} {'auto/best':>10}")
