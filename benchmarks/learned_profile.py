@@ -80,6 +80,9 @@ def main(argv=None) -> int:
             total += time.perf_counter() - t0
             rounds += fast.stats.rounds
             emitted += fast.stats.emitted
+            row_parts = {k: sum(v) for k, v in record.items()}
+            medians = {k: 1e3 * statistics.median(v) for k, v in record.items() if v}
+            stats = (time.perf_counter() - t0, fast.stats.rounds, fast.stats.emitted)
             if args.torch_profile and pname == args.prompts.split(",")[0]:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -87,10 +90,9 @@ def main(argv=None) -> int:
                     fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos)
                 print(f"== {name}: torch.profiler, one generate call ({pname})")
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-            row_parts = {k: sum(v) for k, v in record.items()}
-            rows.append({"method": name, "prompt": pname, "seconds": time.perf_counter() - t0,
-                         "rounds": fast.stats.rounds, "emitted": fast.stats.emitted, **{f"{k}_s": v for k, v in row_parts.items()},
-                         "median_ms": {k: 1e3 * statistics.median(v) for k, v in record.items() if v},
+            rows.append({"method": name, "prompt": pname, "seconds": stats[0],
+                         "rounds": stats[1], "emitted": stats[2], **{f"{k}_s": v for k, v in row_parts.items()},
+                         "median_ms": medians,
                          "tree_choice": {k: v for k, v in (fast.tree_choice or {}).items() if k != "candidates"}})
         sub = [r for r in rows if r["method"] == name]
         secs = sum(r.get("head_proposal_s", 0) for r in sub), sum(r.get("target_round_s", 0) for r in sub)
