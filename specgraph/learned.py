@@ -127,30 +127,11 @@ def rank_acceptance(head, topk: int = EAGLE_TREE_TOPK) -> list[list[float]] | No
     ev = ev.get("all") or {}
     rows, d = [], 1
     while f"top1_depth{d}" in ev:
-        top1, top4 = float(ev[f"top1_depth{d}"]), max(float(ev.get(f"top4_depth{d}", 0.0)), float(ev[f"top1_depth{d}"]))
+        top1 = float(ev[f"top1_depth{d}"])
+        top4 = max(float(ev.get(f"top4_depth{d}", 0.0)), top1)
         rows.append(([top1] + [(top4 - top1) * w for w in RANK_SPLIT])[:topk])
         d += 1
     return rows or None
-
-
-def _timed(fn, device, repeats: int) -> float:
-    """Median seconds of ``fn()`` after one warm-up call."""
-    import statistics
-    import time
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 @torch.inference_mode()
@@ -158,9 +139,16 @@ def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, 
     """Seconds of one eager target step of N query tokens over a ``context``-token slot cache, per N in
     ``query_sizes``, and of one eager head step (+ its draft logits) of Q rows, per Q in
     ``head_rows``. Eager, not compiled: compiling a round graph per candidate size would take
-    minutes; the eager curve is a proxy for the compiled one (its fixed per-call overhead is
-    larger, so it favours larger trees slightly)."""
+    minutes; the eager curve is a proxy for the compiled one, and a poor one at small N: for
+    SmolLM2 on a 2-core CPU eager t(5)/t(1) was 2.2 against ~1.4 compiled, so it understates
+    what trees gain (NOTES.md, session 6)."""
+    import statistics
+
     from specgraph.capture import Step, new_kv_cache
+    from specgraph.planner import _timed as timed_calls  # (first call's seconds, [later calls' seconds])
+
+    def median_seconds(fn, device, repeats):  # after the warm-up call
+        return statistics.median(timed_calls(fn, device, repeats)[1])
 
     dev = next(model.parameters()).device
     p = next(head.parameters())
@@ -172,7 +160,7 @@ def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, 
     for n in sorted(set(query_sizes)):
         pos = torch.arange(context, context + n, device=dev).unsqueeze(0)
         mask = torch.zeros(1, 1, n, S, dtype=p.dtype, device=dev)  # cost does not depend on what is masked
-        target[n] = _timed(lambda n=n, pos=pos, mask=mask: step(ids[:, :n], pos, mask, pos, *kv), dev, repeats)
+        target[n] = median_seconds(lambda n=n, pos=pos, mask=mask: step(ids[:, :n], pos, mask, pos, *kv), dev, repeats)
     H = head.config["hidden_size"]
     hk, hv = head.new_cache(1, S)
     heads = {}
@@ -185,7 +173,7 @@ def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, 
         def hstep(tok=tok, feats=feats, pos=pos, mask=mask):
             out = head(tok, feats, pos, mask, pos, hk, hv)
             torch.log_softmax(head.logits(out).float(), dim=-1).topk(EAGLE_TREE_TOPK, dim=-1)
-        heads[q] = _timed(hstep, dev, repeats)
+        heads[q] = median_seconds(hstep, dev, repeats)
     return {"target": target, "head": heads, "context": context}
 
 

@@ -938,23 +938,23 @@ def train_head(model, data: dict, out: Path, cfg: TrainConfig, *, d2t: torch.Ten
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", epoch=state["epoch"])
         if total is None and steps_here == 10 and deadline is not None:
-            state["budget_planned"] = True
-            total = plan_total_steps(state["step"], deadline, (time.time() - t_start) / steps_here, margin=0.92)
+            rate = (time.time() - t_start) / steps_here
+            total = plan_total_steps(state["step"], deadline, rate, margin=0.92)
             state["total_steps"] = total
             bar.total = total
             bar.refresh()
-            log(f"{(time.time() - t_start) / steps_here:.2f} s/step: planning {total} steps")
+            log(f"{rate:.2f} s/step: planning {total} steps")
         if state["step"] % cfg.checkpoint_every == 0:
             ev = evaluate(head, data, held, cfg, device)
             ev["step"] = state["step"]
             state["evals"].append(ev)
-            if state.get("budget_planned") and deadline is not None and cfg.max_steps is None:
-                # the first plan came from 10 steps, before the machine's load (another job, evaluations)
-                # showed: re-plan on the rate so far so the cosine schedule ends when the budget does
-                total = plan_total_steps(state["step"], deadline, (time.time() - t_start) / steps_here)
+            if total is not None and deadline is not None and cfg.max_steps is None:
+                # a budget-planned schedule: the first plan came from 10 steps, before the machine's load
+                # (another job, evaluations) showed; re-plan on the rate so far so it ends with the budget
+                rate = (time.time() - t_start) / steps_here
+                total = plan_total_steps(state["step"], deadline, rate)
                 if total != state["total_steps"]:
-                    log(f"step {state['step']}: {(time.time() - t_start) / steps_here:.2f} s/step, "
-                        f"re-planned {state['total_steps']} -> {total} steps")
+                    log(f"step {state['step']}: {rate:.2f} s/step, re-planned {state['total_steps']} -> {total} steps")
                 state["total_steps"] = bar.total = total
             _ckpt()
     bar.close()
