@@ -438,7 +438,8 @@ class SpecGraphModel:
             self.tree_nodes = tree_nodes
         elif self.tree == "dynamic" and draft == "eagle":
             try:
-                self.tree_choice = learned.choose_dynamic_tree(model, head, num_speculative_tokens)
+                self.tree_choice = learned.choose_dynamic_tree(model, head, num_speculative_tokens, backend=backend,
+                                                               freeze=freeze, autotune=autotune)
             except Exception as e:  # noqa: BLE001 - a size is an optimisation: keep the default, say why
                 warnings.warn(f"specgraph: could not measure this machine's tree costs ({type(e).__name__}: {e}); "
                               f"using {learned.EAGLE_TREE_NODES} nodes", stacklevel=3)
@@ -1193,7 +1194,9 @@ def compile(
 
     ``tree_nodes`` (EAGLE with ``tree="dynamic"``): drafted nodes verified per round. ``"auto"``
     (default): measured here, once: the target's cost of N query tokens and the head's step cost
-    on this machine, with the acceptance per depth recorded in the head file by ``train-drafter``,
+    on this machine, in graphs compiled like this object's (a few minutes the first time on a CPU;
+    cached per machine, model and compile settings under ``$SPECGRAPH_CACHE``), with the
+    acceptance per depth recorded in the head file by ``train-drafter``,
     choose the depth (at most ``num_speculative_tokens``) and N with the most expected tokens per
     second (:func:`specgraph.learned.choose_dynamic_tree`; ``fast.tree_choice`` holds the
     measurements and predictions). A head without recorded acceptance keeps depth

@@ -35,6 +35,8 @@ step, :class:`specgraph.capture.Step`). Per round:
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from specgraph.heads import EagleHead, HeadMismatchError, MedusaHeads, _TargetBound, find_head, load_head, model_fingerprint
@@ -45,6 +47,7 @@ LEARNED = ("eagle", "medusa")
 EAGLE_TREE_TOPK = 4  # dynamic trees: children tried per expanded node, and nodes expanded per depth
 EAGLE_TREE_NODES = 16  # dynamic trees without a measured choice: drafted nodes kept (the round has this + 1)
 TREE_NODE_GRID = (4, 8, 12, 16, 24, 32, 48, 63)  # tree_nodes="auto" chooses among these (the round: + 1)
+TREE_COST_POINTS = (1, 5, 9, 17, 33)  # compiled round sizes timed for tree_nodes="auto" (+ the largest); interpolated between
 # the held-out evaluation records top-1 and top-4 agreement per depth; the top-4 mass beyond rank 0
 # is split over ranks 1..3 in these proportions (a prior: the head's rank curve is not recorded)
 RANK_SPLIT = (0.5, 0.3, 0.2)
@@ -138,10 +141,9 @@ def rank_acceptance(head, topk: int = EAGLE_TREE_TOPK) -> list[list[float]] | No
 def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, repeats: int = 3) -> dict:
     """Seconds of one eager target step of N query tokens over a ``context``-token slot cache, per N in
     ``query_sizes``, and of one eager head step (+ its draft logits) of Q rows, per Q in
-    ``head_rows``. Eager, not compiled: compiling a round graph per candidate size would take
-    minutes; the eager curve is a proxy for the compiled one, and a poor one at small N: for
-    SmolLM2 on a 2-core CPU eager t(5)/t(1) was 2.2 against ~1.4 compiled, so it understates
-    what trees gain (NOTES.md, session 6)."""
+    ``head_rows``: what rounds cost with ``backend="eager"``. Not a proxy for compiled rounds (for
+    SmolLM2 on a 2-core CPU eager t(5)/t(1) was 2.2 against ~1.4 compiled with GEMM autotuning):
+    those are timed by :func:`measure_compiled_tree_costs`."""
     import statistics
 
     from specgraph.capture import Step, new_kv_cache
@@ -175,6 +177,109 @@ def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, 
             torch.log_softmax(head.logits(out).float(), dim=-1).topk(EAGLE_TREE_TOPK, dim=-1)
         heads[q] = median_seconds(hstep, dev, repeats)
     return {"target": target, "head": heads, "context": context}
+
+
+def _head_step_fn(head, topk: int):
+    def head_cost_fn(tok, feats, pos, mask, hk, hv):  # [1, Q] ids, [1, Q, H] features -> top-k [1, Q, k]
+        out = head(tok, feats, pos, mask, pos, hk, hv)
+        return torch.log_softmax(head.logits(out).float(), dim=-1).topk(topk, dim=-1).values
+    return head_cost_fn
+
+
+@torch.no_grad()
+def measure_compiled_tree_costs(model, head, query_sizes, head_rows, *, backend: str = "inductor", freeze: bool = True,
+                                autotune: bool = False, context: int = 128, repeats: int = 3,
+                                points=TREE_COST_POINTS, progress: bool = True) -> dict:
+    """:func:`measure_tree_costs`' result for compiled rounds: the target's verification round
+    compiled as ``compile`` builds it (same backend, freezing and GEMM autotuning), timed at the
+    query sizes of ``points`` up to ``max(query_sizes)`` and interpolated between them
+    (:class:`specgraph.perfmodel.CostCurve`: piecewise linear, non-decreasing), and the head step
+    compiled at each Q of ``head_rows``. A throwaway plain compiled object holds the graphs (and
+    their frozen weight copies) only while it measures. Minutes on a CPU: each size is a graph
+    compile; :func:`choose_dynamic_tree` caches the result per machine and configuration."""
+    import gc
+    import statistics
+
+    from specgraph.compiler import SpecGraphModel
+    from specgraph.perfmodel import CostCurve
+    from specgraph.planner import _timed as timed_calls, measure_round_costs
+
+    hi = max(query_sizes)
+    pts = sorted({int(n) for n in points if 1 <= n < hi} | {1, hi})
+    tmp = SpecGraphModel(model, None, 1, None, backend, 1, context + max(hi, *head_rows) + 2, freeze, autotune)
+    try:
+        curve = CostCurve.fit(measure_round_costs(tmp, [1], pts, context, repeats, progress))
+        target = {n: curve(n, 1) for n in sorted(set(query_sizes))}
+        dev, p = next(model.parameters()).device, next(head.parameters())
+        H, V = head.config["hidden_size"], model.get_output_embeddings().weight.shape[0]
+        hk, hv = head.new_cache(1, tmp.slots)
+        heads = {}
+        for q in sorted(set(head_rows)):
+            fn = tmp._compiled("head_cost", _head_step_fn(head, EAGLE_TREE_TOPK), weights=(head,))
+            tok = (torch.arange(q, device=dev) * 7919 % V).unsqueeze(0)
+            feats = torch.randn(1, q, H, dtype=p.dtype, device=dev)
+            pos = torch.arange(context, context + q, device=dev).unsqueeze(0)
+            mask = torch.zeros(1, 1, q, tmp.slots, dtype=p.dtype, device=dev)
+            first, times = timed_calls(lambda: fn(tok, feats, pos, mask, hk, hv), dev, repeats)
+            heads[q] = statistics.median(times)
+            if progress:
+                print(f"[tree] head step Q={q}: {1e3 * heads[q]:.2f} ms (first call {first:.1f} s)", file=sys.stderr,
+                      flush=True)
+    finally:
+        del tmp
+        gc.collect()  # returns the throwaway graphs' frozen weight copies (specgraph.freezing)
+    return {"target": target, "head": heads, "context": context, "points": pts}
+
+
+def _machine() -> str:
+    """What the cost of a graph depends on besides the model: the processor and the threads."""
+    import platform
+
+    if torch.cuda.is_available():
+        return f"cuda:{torch.cuda.get_device_name()}"
+    name = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"cpu:{name}:{torch.get_num_threads()} threads"
+
+
+def cached_tree_costs(fields: dict, measure) -> tuple[dict, bool]:
+    """(costs, whether they came from the cache): ``measure()``'s result stored under
+    ``$SPECGRAPH_CACHE/tree_costs.json`` keyed by ``fields`` (model, head shape, machine, torch,
+    compile settings); a cache that cannot be read or written is skipped, never fatal."""
+    import hashlib
+    import json
+    import os
+
+    from specgraph.models import cache_dir
+
+    def ints(d):
+        return {int(k): float(v) for k, v in d.items()}
+
+    path = cache_dir() / "tree_costs.json"
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    hit = data.get(key) if isinstance(data, dict) else None
+    if hit is not None:
+        c = hit["costs"]
+        return {**c, "target": ints(c["target"]), "head": ints(c["head"])}, True
+    costs = measure()
+    data = data if isinstance(data, dict) else {}
+    data[key] = {"fields": fields, "costs": costs}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return costs, False
 
 
 def dynamic_tree_candidates(depth: int, topk: int = EAGLE_TREE_TOPK) -> int:
@@ -214,18 +319,43 @@ def plan_dynamic_tree(rank_accept, costs: dict, max_depth: int, topk: int = EAGL
 
 
 def choose_dynamic_tree(model, head, max_depth: int, topk: int = EAGLE_TREE_TOPK, grid=TREE_NODE_GRID,
-                        repeats: int = 3) -> dict | None:
-    """``tree_nodes="auto"``: measure this machine's costs (:func:`measure_tree_costs`) and plan the
-    tree (:func:`plan_dynamic_tree`) from the head's recorded acceptance; None when the head has no
+                        repeats: int = 3, *, backend: str = "eager", freeze: bool = True, autotune: bool = False,
+                        cache: bool = True, progress: bool = True) -> dict | None:
+    """``tree_nodes="auto"``: this machine's costs for rounds built like ``compile`` builds them
+    (``backend="eager"``: :func:`measure_tree_costs`, seconds; compiled:
+    :func:`measure_compiled_tree_costs`, minutes the first time, then read from the cache
+    (:func:`cached_tree_costs`) unless ``cache=False``), and the tree they imply
+    (:func:`plan_dynamic_tree`) with the head's recorded acceptance; None when the head has no
     recorded acceptance (then the fixed default size is used)."""
     accept = rank_acceptance(head, topk)
     if accept is None:
         return None
     grid = [n for n in grid if n <= dynamic_tree_candidates(max_depth, topk)] or [min(grid)]
-    costs = measure_tree_costs(model, head, [1] + [n + 1 for n in grid], sorted({topk, *range(2, max_depth + 2)}),
-                               repeats=repeats)
+    query_sizes, head_rows = [1] + [n + 1 for n in grid], sorted({topk, *range(2, max_depth + 2)})
+    if backend == "eager":
+        costs, source = measure_tree_costs(model, head, query_sizes, head_rows, repeats=repeats), "eager"
+    else:
+        p = next(head.parameters())
+        fields = {"model": model_fingerprint(model), "dtype": str(p.dtype), "head": dict(head.config),
+                  "head_vocab": head.draft_vocab_size,
+                  "machine": _machine(), "torch": torch.__version__, "backend": backend, "freeze": bool(freeze),
+                  "autotune": bool(autotune), "query_sizes": query_sizes, "head_rows": head_rows,
+                  "points": list(TREE_COST_POINTS), "repeats": repeats}
+
+        def measure():
+            if progress:
+                print(f"[tree] tree_nodes='auto': timing compiled rounds of up to {max(query_sizes)} query tokens "
+                      "on this machine (once; cached under $SPECGRAPH_CACHE)", file=sys.stderr, flush=True)
+            return measure_compiled_tree_costs(model, head, query_sizes, head_rows, backend=backend, freeze=freeze,
+                                               autotune=autotune, repeats=repeats, progress=progress)
+        if cache:
+            costs, hit = cached_tree_costs(fields, measure)
+        else:
+            costs, hit = measure(), False
+        source = "compiled (cached)" if hit else "compiled"
     plan = plan_dynamic_tree(accept, costs, max_depth, topk, grid)
     plan["costs"] = {k: ({str(n): t for n, t in v.items()} if isinstance(v, dict) else v) for k, v in costs.items()}
+    plan["cost_source"] = source
     plan["rank_acceptance"] = accept
     return plan
 

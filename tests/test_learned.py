@@ -522,3 +522,44 @@ def test_tree_nodes_auto_measures_and_stays_exact():
         specgraph.compile(model, "ngram", tree_nodes=8, backend="eager")
     with pytest.raises(ValueError, match="tree_nodes"):
         specgraph.compile(model, head, tree="dynamic", tree_nodes=0, backend="eager")
+
+
+def test_tree_costs_cache_is_keyed_and_survives_a_bad_file(tmp_path, monkeypatch):
+    from specgraph.learned import cached_tree_costs
+
+    monkeypatch.setenv("SPECGRAPH_CACHE", str(tmp_path))
+    calls = []
+
+    def measure(v):
+        def run():
+            calls.append(v)
+            return {"target": {1: v, 5: 2 * v}, "head": {2: v / 10}, "context": 128}
+        return run
+
+    (tmp_path / "tree_costs.json").write_text("{not json")  # a corrupt cache is measured over, not fatal
+    a, hit_a = cached_tree_costs({"autotune": True}, measure(0.01))
+    b, hit_b = cached_tree_costs({"autotune": True}, measure(0.5))  # same key: read back, not measured
+    c, hit_c = cached_tree_costs({"autotune": False}, measure(0.02))  # another configuration: measured
+    assert (hit_a, hit_b, hit_c) == (False, True, False) and calls == [0.01, 0.02]
+    assert b["target"] == {1: 0.01, 5: 0.02} and b["head"] == {2: 0.001} and c["target"][5] == 0.04
+
+
+def test_tree_nodes_auto_times_compiled_rounds_once(tmp_path, monkeypatch):
+    """Compiled objects size their trees from compiled rounds (the eager proxy misjudged them), and a
+    second object with the same settings reads the cached costs instead of compiling them again."""
+    import specgraph.learned as lrn
+
+    monkeypatch.setenv("SPECGRAPH_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    head = random_head(model, "eagle")
+    head.file_meta = {"meta": {"final_eval": {"all": {"top1_depth1": 0.6, "top4_depth1": 0.8, "top1_depth2": 0.5,
+                                                      "top4_depth2": 0.7}}}}
+    ch = lrn.choose_dynamic_tree(model, head, 2, grid=(4, 8), backend="inductor", freeze=False, progress=False)
+    assert ch["cost_source"] == "compiled" and ch["costs"]["points"] == [1, 5, 9]
+    assert set(ch["costs"]["target"]) == {"1", "5", "9"} and set(ch["costs"]["head"]) == {"2", "3", "4"}
+    monkeypatch.setattr(lrn, "measure_compiled_tree_costs", lambda *a, **k: pytest.fail("costs were cached"))
+    again = lrn.choose_dynamic_tree(model, head, 2, grid=(4, 8), backend="inductor", freeze=False, progress=False)
+    assert again["cost_source"] == "compiled (cached)" and again["costs"] == ch["costs"]
+    assert (again["depth"], again["nodes"]) == (ch["depth"], ch["nodes"])
+    with pytest.raises(pytest.fail.Exception, match="cached"):  # other compile settings: measured again
+        lrn.choose_dynamic_tree(model, head, 2, grid=(4, 8), backend="inductor", freeze=True, progress=False)
