@@ -100,6 +100,25 @@ def test_examples_and_prompts_quote_the_documents_verbatim():
         assert snippet.strip() and snippet.strip() in texts[source]
 
 
+def test_compiled_answer_engine_caches_the_same_examples_as_hf(target, tmp_path, monkeypatch):
+    """The default engine of the generated answers is specgraph's compiled prompt-lookup decoder:
+    the cached examples (prompt + greedy answer, token for token) must be HF generate's."""
+    fp = model_fingerprint(target)
+    caches, engines, make = {}, [], T.answer_engine
+    monkeypatch.setattr(T, "answer_engine", lambda *a: engines.append(make(*a)) or engines[-1])
+    for engine in ("specgraph", "hf"):
+        cache = T.FeatureCache(tmp_path / engine, fp, {"test": 1})
+        T.build_cache(target, ByteTok(), cache, seed=0, max_len=400, max_tokens=900, deadline=time.time() + 600,
+                      gen_share=1.0, gen_new_tokens=10, gen_batch=3, batch_tokens=512, shard_tokens=1024,
+                      progress=False, log=lambda *a: None, gen_engine=engine)
+        caches[engine] = cache.load()
+    hf, sg = caches["hf"], caches["specgraph"]
+    assert hf["ids"].numel() >= 900 and torch.equal(hf["ids"], sg["ids"]) and torch.equal(hf["labels"], sg["labels"])
+    assert engines[1] is None and engines[0].stats.emitted > 0  # the answers really came from the compiled engine
+    with pytest.raises(ValueError, match="gen-engine"):
+        T.answer_engine(target, "vllm", 2, 8)
+
+
 def test_chunk_text_bounds():
     text = "a\n" * 50 + "x" * 250 + "\nend\n"
     chunks = T.chunk_text(text, 40)
@@ -340,7 +359,7 @@ def test_command_end_to_end(target, tmp_path):
     out = tmp_path / "run"
     argv = ["--kind", "medusa", "--out", str(out), "--time-budget", "3", "--max-tokens", "1500", "--seq-len", "80",
             "--batch-tokens", "320", "--max-steps", "5", "--checkpoint-every", "3", "--gen-new-tokens", "8",
-            "--gen-batch", "2", "--draft-vocab", "48", "--medusa-heads", "2", "--no-progress"]
+            "--gen-batch", "2", "--gen-engine", "hf", "--draft-vocab", "48", "--medusa-heads", "2", "--no-progress"]
     log = T.run(T.build_parser().parse_args(argv), model=target, tok=ByteTok())
     assert log["steps"] == 5 and (out / "head.safetensors").exists() and log["head_bytes"] < 200_000
     saved = json.loads((out / "train_log.json").read_text())
