@@ -75,6 +75,24 @@ def parse_paths(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(r) for r in p.split(",")) for p in text.split(";")]
 
 
+def add_learned_arguments(ap, default: str) -> None:
+    """The learned-drafter options of this script and ``learned_profile.py`` (one definition, so the
+    profile measures the objects the benchmark runs)."""
+    ap.add_argument("--learned", default=default,
+                    help="learned drafters to add: comma list of eagle_chain, eagle_tree (EAGLE-2 dynamic), "
+                         "medusa_chain, medusa_tree (default Medusa tree); heads from --eagle-head / --medusa-head "
+                         "or the shipped head matching the model")
+    ap.add_argument("--medusa-tree", default="0;1;2;0,0;0,1;1,0;0,0,0;0,0,1;0,0,0,0",
+                    help="Medusa static tree as ';'-separated paths of ranks (cut to the heads' depth)")
+    ap.add_argument("--eagle-head", default=None, help="EAGLE head .safetensors (default: the shipped one)")
+    ap.add_argument("--tree-nodes", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="eagle_tree: drafted nodes per round (an int fixes N and uses --tree-depth as the depth)")
+    ap.add_argument("--tree-depth", type=int, default=6,
+                    help="eagle_tree: the deepest dynamic tree (the depth and node count are chosen by "
+                         "compile's tree_nodes='auto' from this machine's costs)")
+    ap.add_argument("--medusa-head", default=None, help="Medusa head .safetensors (default: the shipped one)")
+
+
 def learned_objects(model, args, autotune) -> dict:
     """Compiled objects for ``--learned``: EAGLE / Medusa heads (a given file, else the shipped head)."""
     from specgraph.heads import find_head, load_head
@@ -89,14 +107,14 @@ def learned_objects(model, args, autotune) -> dict:
     for w in wanted:
         kind, tree = known[w]
         if kind not in heads:
-            path = getattr(args, f"{kind}_head") or find_head(model, kind)
+            path = {"eagle": args.eagle_head, "medusa": args.medusa_head}[kind] or find_head(model, kind)
             heads[kind] = load_head(path, model)
         if tree == "default":  # the --medusa-tree paths, cut to the heads' depth
             tree = [p for p in parse_paths(args.medusa_tree) if len(p) <= heads[kind].num_heads]
         k = min(args.k, heads[kind].num_heads) if kind == "medusa" else args.k  # a head per drafted token
         if tree == "dynamic":  # the deepest EAGLE-2 tree; compile's tree_nodes="auto" picks depth <= it and N
-            k = getattr(args, "tree_depth", None) or args.k
-        sized = {"tree_nodes": getattr(args, "tree_nodes", "auto")} if tree == "dynamic" else {}
+            k = args.tree_depth
+        sized = {"tree_nodes": args.tree_nodes} if tree == "dynamic" else {}
         out[w] = specgraph.compile(model, heads[kind], num_speculative_tokens=k, tree=tree, backend=args.backend,
                                    max_batch_size=1, max_seq_len=args.max_seq_len, autotune=autotune, **sized)
     return out
@@ -123,19 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (CUDA: rounds replay as CUDA graphs)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--max-seq-len", type=int, default=1024)
-    ap.add_argument("--learned", default="",
-                    help="learned drafters to add: comma list of eagle_chain, eagle_tree (EAGLE-2 dynamic), "
-                         "medusa_chain, medusa_tree (default Medusa tree); heads from --eagle-head / --medusa-head "
-                         "or the shipped head matching the model")
-    ap.add_argument("--medusa-tree", default="0;1;2;0,0;0,1;1,0;0,0,0;0,0,1;0,0,0,0",
-                    help="Medusa static tree as ';'-separated paths of ranks (cut to the heads' depth)")
-    ap.add_argument("--eagle-head", default=None, help="EAGLE head .safetensors (default: the shipped one)")
-    ap.add_argument("--tree-nodes", type=lambda v: v if v == "auto" else int(v), default="auto",
-                    help="eagle_tree: drafted nodes per round (an int fixes N and uses --tree-depth as the depth)")
-    ap.add_argument("--tree-depth", type=int, default=6,
-                    help="eagle_tree: the deepest dynamic tree (the depth and node count are chosen by "
-                         "compile's tree_nodes='auto' from this machine's costs)")
-    ap.add_argument("--medusa-head", default=None, help="Medusa head .safetensors (default: the shipped one)")
+    add_learned_arguments(ap, default="")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: sample at this temperature (seeded per run; no equality check) instead of greedy")
     ap.add_argument("--methods", default="",
@@ -189,6 +195,7 @@ def main(argv=None) -> int:
             out = fast.generate(ids, max_new_tokens=N, eos_token_id=eos, pad_token_id=pad, **sampling)
             st = fast.stats.as_dict()  # survival_per_position[j]: drafts at depth j + 1 accepted / drafted
             return out, (st["mean_emitted_per_round"], st["survival_per_position"])
+        run.fast = fast
         return run
 
     methods = {
@@ -266,6 +273,11 @@ def main(argv=None) -> int:
             em = "-" if r["mean_emitted_per_round"] is None else f"{r['mean_emitted_per_round']:.2f}"
             print(f"{pname:<10} {name:<26} {tps:8.1f} tok/s {r['ratio_vs_hf_plain']:6.2f}x  emitted/round {em:>5}  "
                   f"equal={r['greedy_equal_hf']}", flush=True)
+        # a graph compiled past the freeze budget (specgraph.freezing) runs slower matmuls: say so
+        meta["unfrozen_graphs"] = {name: sorted(g for g, fr in fn.fast.graph_frozen.items() if not fr)
+                                   for name, fn in methods.items() if hasattr(fn, "fast")}
+        if any(meta["unfrozen_graphs"].values()):
+            print(f"warning: unfrozen graphs {meta['unfrozen_graphs']}", file=sys.stderr, flush=True)
         write_json(args.out, meta, rows)  # after every prompt: a run cut short still leaves its results
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from generate_bench import PROMPTS, _ids, learned_objects, write_json  # noqa: E402
+from generate_bench import PROMPTS, _ids, add_learned_arguments, learned_objects, write_json  # noqa: E402
 
 from specgraph.models import load_model  # noqa: E402
 
@@ -47,10 +47,7 @@ def _wrap(obj, name, record, key):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--learned", default="eagle_chain,eagle_tree,medusa_chain,medusa_tree")
-    ap.add_argument("--eagle-head", default=None)
-    ap.add_argument("--medusa-head", default=None)
-    ap.add_argument("--medusa-tree", default="0;1;0,0;1,0;0,0,0;0,0,0,0")
+    add_learned_arguments(ap, default="eagle_chain,eagle_tree,medusa_chain,medusa_tree")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-seq-len", type=int, default=512)
