@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from specgraph.compiler import (
-    SUFFIX_MIN_SCORE, assemble_output, eos_and_pad, keep_until_eos, next_k, pack_suffix_trees, prompt_rows,
-    propose_ngram_tree, suffix_chain_drafts, suffix_chains,
+    SUFFIX_MIN_SCORE, assemble_output, calibrate_suffix, eos_and_pad, keep_until_eos, next_k, pack_suffix_trees,
+    prompt_rows, propose_ngram_tree, suffix_chain_drafts, suffix_chains,
 )
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats
@@ -307,16 +307,18 @@ class OnnxSpecGenerator:
             self._call(name, {"input_ids": ids, "start": np.full(B, c0, dtype=np.int64), "num_valid": nv}, kv,
                        fetch=(), cache=cache)
 
-    def _propose_chain(self, ladder, k_now, hist, L, root, active, sessions):
+    def _propose_chain(self, ladder, k_now, hist, L, root, active, sessions, sample: bool):
         """Model-free chain drafts for this round: (k, drafts [B, k], whether some live row has a
         proposal; without one the compiler takes a plain step). The compiler's rules
         (SpecGraphModel._propose): prompt lookup drafts k_now tokens (the depth ladder), suffix
         decoding the best path of each row's suffix tree, at most k_now tokens, in the smallest
-        ladder depth that holds the longest (:func:`specgraph.compiler.suffix_chain_drafts`)."""
+        ladder depth that holds the longest (:func:`specgraph.compiler.suffix_chain_drafts`); sampled
+        rounds calibrate the suffix threshold per row as the compiler does
+        (:func:`specgraph.compiler.calibrate_suffix`)."""
         if self.draft == "ngram":
             d, matched = ngram_propose(hist, L + 1, k_now, self.manifest["ngram"]["max"], self.manifest["ngram"]["min"])
             return k_now, d, bool((matched * active).any())
-        chains = suffix_chains(sessions, k_now, self._suffix_min_score)
+        chains = suffix_chains(sessions, k_now, self._suffix_min_score, calibrated=sample)
         out = suffix_chain_drafts(chains, [d for d in ladder if d <= k_now], root, active.tolist())
         if out is None:  # only used without a plain graph: the smallest depth, all root repeats (rejected)
             return ladder[0], root.unsqueeze(1).repeat(1, ladder[0]), False
@@ -389,7 +391,7 @@ class OnnxSpecGenerator:
                 if self.draft == "model":
                     drafts, draft_probs = self._draft_model_chain(dkv, hist, L, root, active, sample, temp, generator)
                 elif k_now is not None:
-                    kk, d, found = self._propose_chain(ladder, k_now, hist, L, root, active, sessions)
+                    kk, d, found = self._propose_chain(ladder, k_now, hist, L, root, active, sessions, sample)
                     if found or plain != 0:  # else a plain step, as the compiler (an export without depth 0 never does)
                         k, drafts = kk, d
                 if k > 0 and drafts is None:  # pragma: no cover - plain depth > 0 only without a drafter
@@ -413,6 +415,8 @@ class OnnxSpecGenerator:
             self.stats.rounds += 1
             if k_now is not None and not isinstance(k, list):
                 k_now = next_k(ladder, k_now, k, [n_h[b] for b in range(n_rows) if not done[b]])
+            if sessions is not None and tree is None and sample and k:
+                calibrate_suffix(sessions, n_h, [not d for d in done])
             for b in range(n_rows):
                 if done[b]:
                     continue

@@ -125,7 +125,7 @@ def suffix_tree(tmp_path_factory):
 @pytest.fixture(scope="module")
 def suffix_chain(tmp_path_factory):
     # the best path of the suffix tree as a chain, on the depth ladder (verify_k0, _k4)
-    return Exported("llama", "suffix", 4, 2, 16, ("greedy",), None, tmp_path_factory.mktemp("onnx"))
+    return Exported("llama", "suffix", 4, 2, 16, ("greedy", "sample"), None, tmp_path_factory.mktemp("onnx"))
 
 
 @pytest.fixture(scope="module")
@@ -568,3 +568,27 @@ def test_sampled_tree_and_draft_generation_equal_torch_path(which, request):
         drafted += g.stats.drafted
         accepted += g.stats.accepted
     assert 0 < accepted < drafted, (accepted, drafted)
+
+
+@torch.no_grad()
+def test_sampled_suffix_chain_is_calibrated_like_the_torch_path(suffix_chain, monkeypatch):
+    """Sampled suffix chains scale their drafting threshold by each row's observed acceptance
+    (specgraph.compiler.calibrate_suffix): the ONNX generator must do the same, or its rounds draft
+    other chains and, same seed, emit other tokens than the compiled torch path. A calibration that
+    forgets at once (DECAY 0.01) makes one rejected round stop a row's drafting, so the difference
+    shows on a tiny random model (without it in the generator, seed 8 below differs)."""
+    from specgraph.suffix import AcceptanceCalibration, SuffixIndex
+
+    monkeypatch.setattr(AcceptanceCalibration, "DECAY", 0.01)
+    ex = suffix_chain
+    ex.fast.suffix_index = SuffixIndex()  # both start from an empty index
+    g = ex.generator()
+    # "17 64" continues three ways: suffix scores below 1, which a calibrated threshold cuts
+    ids, mask = left_pad([repeated([17, 64, 3, 17, 64, 88, 17, 64, 25], 37), repeated([50, 9, 50, 11], 9)])
+    for seed in (7, 8, 9):
+        kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, temperature=0.3, pad_token_id=PAD)
+        a = g.generate(ids, generator=torch.Generator().manual_seed(seed), **kw)
+        t = ex.fast.generate(ids, generator=torch.Generator().manual_seed(seed), **kw)
+        assert torch.equal(a, t), (seed, a[:, ids.shape[1]:], t[:, ids.shape[1]:])
+        assert (g.stats.rounds, g.stats.drafted, g.stats.accepted) == (
+            ex.fast.stats.rounds, ex.fast.stats.drafted, ex.fast.stats.accepted)
