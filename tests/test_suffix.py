@@ -309,12 +309,14 @@ def test_sampled_rounds_calibrate_the_threshold_by_observed_acceptance():
         ix.add_document([1, 2, 3] + tail)
     sess = ix.start([0, 2, 3])
     assert sess.calibration.scale == 1.0
+    prior = AcceptanceCalibration.PRIOR
     assert suffix_chains([sess], 8, 0.1, calibrated=True) == [[4, 5, 6, 7]]
     assert sess.drafted_scores == pytest.approx([0.8, 0.6, 0.6, 0.6])
-    calibrate_suffix([sess], [1], [True])  # nothing accepted: (0.8 * 1 + 0) / (0.8 * 1 + 2.6)
-    assert sess.calibration.scale == pytest.approx(0.8 / 3.4)
-    assert suffix_chains([sess], 8, 0.1, calibrated=True) == [[4, 5, 6, 7]]  # 0.6 >= 0.1 / 0.235
-    calibrate_suffix([sess], [1], [True])
+    calibrate_suffix([sess], [1], [True])  # nothing accepted: (0.8 * prior + 0) / (0.8 * prior + 2.6)
+    assert sess.calibration.scale == pytest.approx(0.8 * prior / (0.8 * prior + 2.6))
+    assert suffix_chains([sess], 8, 0.1, calibrated=True) == [[4, 5, 6, 7]]  # 0.6 >= 0.1 / 0.55
+    for _ in range(12):  # rounds that accept nothing, until the observed rate outweighs the prior
+        calibrate_suffix([sess], [1], [True])
     scale = sess.calibration.scale
     assert scale < 1 / 8 and suffix_chains([sess], 8, 0.1, calibrated=True) == [[]]  # 0.8 < 0.1 / scale: a plain step
     assert suffix_chains([sess], 8, 0.1) == [[4, 5, 6, 7]]  # greedy: uncalibrated
