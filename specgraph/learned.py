@@ -319,7 +319,7 @@ def plan_dynamic_tree(rank_accept, costs: dict, max_depth: int, topk: int = EAGL
 
 
 def choose_dynamic_tree(model, head, max_depth: int, topk: int = EAGLE_TREE_TOPK, grid=TREE_NODE_GRID,
-                        repeats: int = 3, *, backend: str = "eager", freeze: bool = True, autotune: bool = False,
+                        repeats: int = 7, *, backend: str = "eager", freeze: bool = True, autotune: bool = False,
                         cache: bool = True, progress: bool = True) -> dict | None:
     """``tree_nodes="auto"``: this machine's costs for rounds built like ``compile`` builds them
     (``backend="eager"``: :func:`measure_tree_costs`, seconds; compiled:
