@@ -17,6 +17,7 @@ a round of depth k costs (1 + slope * k) plain steps (~0.1 for SmolLM2 on a 2-co
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ import torch
 from specgraph import compiler as C
 from specgraph.drafters import ngram_propose
 from specgraph.models import load_model
-from specgraph.suffix import SuffixIndex
+from specgraph.suffix import AcceptanceCalibration, SuffixIndex
 
 sys.path.insert(0, os.path.dirname(__file__))
 from generate_bench import write_json  # noqa: E402
@@ -88,24 +89,26 @@ def cut_at_eos(tokens: list[int], eos) -> list[int]:
     return tokens
 
 
-def run_workload(kind: str, calls, K: int, slope: float, sampled: bool = False, **thresholds) -> dict:
-    """A workload's calls in order; suffix methods share one index across them (as one ``fast`` object)."""
-    index = SuffixIndex() if kind != "ngram" else None
+def run_workload(kind: str, runs, K: int, slope: float, sampled: bool = False, **thresholds) -> dict:
+    """Each run (a workload's calls in order) replayed and summed; within a run suffix methods share
+    one index across the calls (as one ``fast`` object), and every run starts from an empty one."""
     tot = {"tokens": 0, "rounds": 0, "drafted": 0, "accepted": 0, "host_s": 0.0, "cost_steps": 0.0}
     calibration = {k: thresholds.pop(k) for k in ("cal_prior", "cal_decay") if k in thresholds}
-    for prompt, cont in calls:
-        session = index.start(prompt) if index is not None else None
-        if "cal_prior" in calibration:  # the calibration's prior: this many accepted of as many predicted drafts
-            session.calibration.predicted = session.calibration.accepted = calibration["cal_prior"]
-        if "cal_decay" in calibration:
-            session.calibration.DECAY = calibration["cal_decay"]
-        r = replay(kind, prompt, cont, K, session, sampled, **thresholds)
-        if index is not None:
-            index.add_document(prompt + cont)
-        tot["tokens"] += len(cont)
-        for key in ("rounds", "drafted", "accepted", "host_s"):
-            tot[key] += r[key]
-        tot["cost_steps"] += sum(c * (1 + slope * k) for k, c in r["depths"].items())
+    for calls in runs:
+        index = SuffixIndex() if kind != "ngram" else None
+        for prompt, cont in calls:
+            session = index.start(prompt) if index is not None else None
+            if "cal_prior" in calibration:  # the calibration's prior: this many accepted of as many predicted drafts
+                session.calibration.predicted = session.calibration.accepted = calibration["cal_prior"]
+            if "cal_decay" in calibration:
+                session.calibration.DECAY = calibration["cal_decay"]
+            r = replay(kind, prompt, cont, K, session, sampled, **thresholds)
+            if index is not None:
+                index.add_document(prompt + cont)
+            tot["tokens"] += len(cont)
+            for key in ("rounds", "drafted", "accepted", "host_s"):
+                tot[key] += r[key]
+            tot["cost_steps"] += sum(c * (1 + slope * k) for k, c in r["depths"].items())
     tot["tokens_per_round"] = tot["tokens"] / tot["rounds"]
     tot["tokens_per_step_cost"] = tot["tokens"] / tot["cost_steps"]
     return tot
@@ -135,16 +138,14 @@ def main(argv=None) -> int:
                 ("suffix", {"min_score": 0.3}), ("suffix|ngram", {})]
     if sampled:
         variants += [("suffix", {"calibrated": False}), ("suffix", {"min_score": 0.05}),
-                     ("suffix", {"min_score": 0.2}), ("suffix", {"cal_prior": 4.0}),
+                     ("suffix", {"min_score": 0.2}), ("suffix", {"cal_prior": 1.0}),
                      ("suffix", {"cal_prior": 4.0, "cal_decay": 0.9}), ("suffix", {"cal_prior": 8.0, "cal_decay": 0.95}),
                      ("suffix", {"calibrated": False, "min_score": 0.2}), ("suffix", {"calibrated": False, "min_score": 0.3})]
     replicates = args.samples if sampled else 1
     rows, cache = [], {}  # prompt -> its continuations (greedy: one; sampled: one per use per replicate)
     with torch.no_grad():
         for wname in args.workloads.split(","):
-            uses = {}
-            for ids in workloads[wname]:
-                uses[tuple(ids[0].tolist())] = uses.get(tuple(ids[0].tolist()), 0) + 1
+            uses = collections.Counter(tuple(ids[0].tolist()) for ids in workloads[wname])
             for key, n in uses.items():
                 if key in cache and len(cache[key]) >= n * replicates:
                     continue
@@ -167,12 +168,7 @@ def main(argv=None) -> int:
                 runs.append(calls)
             base = None
             for kind, thr in variants:
-                tot = None
-                for calls in runs:
-                    r = run_workload(kind, calls, args.k, args.slope, sampled, **dict(thr))
-                    tot = r if tot is None else {k: tot[k] + r[k] for k in tot}
-                tot["tokens_per_round"] = tot["tokens"] / tot["rounds"]
-                tot["tokens_per_step_cost"] = tot["tokens"] / tot["cost_steps"]
+                tot = run_workload(kind, runs, args.k, args.slope, sampled, **thr)
                 base = base or tot["tokens_per_step_cost"]
                 name = kind + "".join(f" {k}={v}" for k, v in thr.items())
                 rows.append({"workload": wname, "method": name, **tot,
@@ -182,7 +178,8 @@ def main(argv=None) -> int:
                       f"est. speed vs ngram {rows[-1]['est_speed_vs_ngram']:.3f}", flush=True)
     meta = {"max_new_tokens": args.max_new_tokens, "k": args.k, "slope": args.slope,
             "temperature": args.temperature, "samples": replicates,
-            "suffix_min_score": C.SUFFIX_MIN_SCORE, "suffix_min_match": C.SUFFIX_MIN_MATCH}
+            "suffix_min_score": C.SUFFIX_MIN_SCORE, "suffix_min_match": C.SUFFIX_MIN_MATCH,
+            "calibration_prior": AcceptanceCalibration.PRIOR}
     write_json(args.out, meta, rows)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

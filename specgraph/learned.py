@@ -149,9 +149,6 @@ def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, 
     from specgraph.capture import Step, new_kv_cache
     from specgraph.planner import _timed as timed_calls  # (first call's seconds, [later calls' seconds])
 
-    def median_seconds(fn, device, repeats):  # after the warm-up call
-        return statistics.median(timed_calls(fn, device, repeats)[1])
-
     dev = next(model.parameters()).device
     p = next(head.parameters())
     V = model.get_output_embeddings().weight.shape[0]
@@ -162,28 +159,39 @@ def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, 
     for n in sorted(set(query_sizes)):
         pos = torch.arange(context, context + n, device=dev).unsqueeze(0)
         mask = torch.zeros(1, 1, n, S, dtype=p.dtype, device=dev)  # cost does not depend on what is masked
-        target[n] = median_seconds(lambda n=n, pos=pos, mask=mask: step(ids[:, :n], pos, mask, pos, *kv), dev, repeats)
-    H = head.config["hidden_size"]
-    hk, hv = head.new_cache(1, S)
-    heads = {}
-    for q in sorted(set(head_rows)):
-        tok = ids[:, :q]
-        feats = torch.randn(1, q, H, dtype=p.dtype, device=dev)
-        pos = torch.arange(context, context + q, device=dev).unsqueeze(0)
-        mask = torch.zeros(1, 1, q, S, dtype=p.dtype, device=dev)
-
-        def hstep(tok=tok, feats=feats, pos=pos, mask=mask):
-            out = head(tok, feats, pos, mask, pos, hk, hv)
-            torch.log_softmax(head.logits(out).float(), dim=-1).topk(EAGLE_TREE_TOPK, dim=-1)
-        heads[q] = median_seconds(hstep, dev, repeats)
+        target[n] = statistics.median(
+            timed_calls(lambda n=n, pos=pos, mask=mask: step(ids[:, :n], pos, mask, pos, *kv), dev, repeats)[1])
+    heads = time_head_steps(head, head_rows, context, S, V, repeats)
     return {"target": target, "head": heads, "context": context}
 
 
-def _head_step_fn(head, topk: int):
-    def head_cost_fn(tok, feats, pos, mask, hk, hv):  # [1, Q] ids, [1, Q, H] features -> top-k [1, Q, k]
-        out = head(tok, feats, pos, mask, pos, hk, hv)
-        return torch.log_softmax(head.logits(out).float(), dim=-1).topk(topk, dim=-1).values
-    return head_cost_fn
+def time_head_steps(head, head_rows, context: int, slots: int, vocab: int, repeats: int, build=None,
+                    progress: bool = False) -> dict:
+    """{Q: median seconds of one head step over Q rows + its draft log-probabilities and top-k}, the
+    step as ``build(fn)`` makes it (default: eager; :func:`measure_compiled_tree_costs` compiles it)."""
+    import statistics
+
+    from specgraph.planner import _timed as timed_calls  # (first call's seconds, [later calls' seconds])
+
+    p = next(head.parameters())
+    dev, H = p.device, head.config["hidden_size"]
+    hk, hv = head.new_cache(1, slots)
+    heads = {}
+    for q in sorted(set(head_rows)):
+        def head_cost_fn(tok, feats, pos, mask, hk, hv):  # [1, Q] ids, [1, Q, H] features -> top-k [1, Q, k]
+            out = head(tok, feats, pos, mask, pos, hk, hv)
+            return torch.log_softmax(head.logits(out).float(), dim=-1).topk(EAGLE_TREE_TOPK, dim=-1).values
+        fn = head_cost_fn if build is None else build(head_cost_fn)
+        tok = (torch.arange(q, device=dev) * 7919 % vocab).unsqueeze(0)
+        feats = torch.randn(1, q, H, dtype=p.dtype, device=dev)
+        pos = torch.arange(context, context + q, device=dev).unsqueeze(0)
+        mask = torch.zeros(1, 1, q, slots, dtype=p.dtype, device=dev)  # cost does not depend on what is masked
+        first, times = timed_calls(lambda: fn(tok, feats, pos, mask, hk, hv), dev, repeats)
+        heads[q] = statistics.median(times)
+        if progress:
+            print(f"[tree] head step Q={q}: {1e3 * heads[q]:.2f} ms (first call {first:.1f} s)", file=sys.stderr,
+                  flush=True)
+    return heads
 
 
 @torch.no_grad()
@@ -198,11 +206,10 @@ def measure_compiled_tree_costs(model, head, query_sizes, head_rows, *, backend:
     their frozen weight copies) only while it measures. Minutes on a CPU: each size is a graph
     compile; :func:`choose_dynamic_tree` caches the result per machine and configuration."""
     import gc
-    import statistics
 
     from specgraph.compiler import SpecGraphModel
     from specgraph.perfmodel import CostCurve
-    from specgraph.planner import _timed as timed_calls, measure_round_costs
+    from specgraph.planner import measure_round_costs
 
     hi = max(query_sizes)
     pts = sorted({int(n) for n in points if 1 <= n < hi} | {1, hi})
@@ -210,33 +217,21 @@ def measure_compiled_tree_costs(model, head, query_sizes, head_rows, *, backend:
     try:
         curve = CostCurve.fit(measure_round_costs(tmp, [1], pts, context, repeats, progress))
         target = {n: curve(n, 1) for n in sorted(set(query_sizes))}
-        dev, p = next(model.parameters()).device, next(head.parameters())
-        H, V = head.config["hidden_size"], model.get_output_embeddings().weight.shape[0]
-        hk, hv = head.new_cache(1, tmp.slots)
-        heads = {}
-        for q in sorted(set(head_rows)):
-            fn = tmp._compiled("head_cost", _head_step_fn(head, EAGLE_TREE_TOPK), weights=(head,))
-            tok = (torch.arange(q, device=dev) * 7919 % V).unsqueeze(0)
-            feats = torch.randn(1, q, H, dtype=p.dtype, device=dev)
-            pos = torch.arange(context, context + q, device=dev).unsqueeze(0)
-            mask = torch.zeros(1, 1, q, tmp.slots, dtype=p.dtype, device=dev)
-            first, times = timed_calls(lambda: fn(tok, feats, pos, mask, hk, hv), dev, repeats)
-            heads[q] = statistics.median(times)
-            if progress:
-                print(f"[tree] head step Q={q}: {1e3 * heads[q]:.2f} ms (first call {first:.1f} s)", file=sys.stderr,
-                      flush=True)
+        heads = time_head_steps(head, head_rows, context, tmp.slots, model.get_output_embeddings().weight.shape[0],
+                                repeats, lambda fn: tmp._compiled("head_cost", fn, weights=(head,)), progress)
     finally:
         del tmp
         gc.collect()  # returns the throwaway graphs' frozen weight copies (specgraph.freezing)
     return {"target": target, "head": heads, "context": context, "points": pts}
 
 
-def _machine() -> str:
-    """What the cost of a graph depends on besides the model: the processor and the threads."""
+def _machine(device: torch.device) -> str:
+    """What the cost of a graph on ``device`` depends on besides the model: the GPU, or the
+    processor and the threads."""
     import platform
 
-    if torch.cuda.is_available():
-        return f"cuda:{torch.cuda.get_device_name()}"
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
     name = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -338,7 +333,7 @@ def choose_dynamic_tree(model, head, max_depth: int, topk: int = EAGLE_TREE_TOPK
         p = next(head.parameters())
         fields = {"model": model_fingerprint(model), "dtype": str(p.dtype), "head": dict(head.config),
                   "head_vocab": head.draft_vocab_size,
-                  "machine": _machine(), "torch": torch.__version__, "backend": backend, "freeze": bool(freeze),
+                  "machine": _machine(p.device), "torch": torch.__version__, "backend": backend, "freeze": bool(freeze),
                   "autotune": bool(autotune), "query_sizes": query_sizes, "head_rows": head_rows,
                   "points": list(TREE_COST_POINTS), "repeats": repeats}
 

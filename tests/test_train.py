@@ -116,7 +116,7 @@ def test_compiled_answer_engine_caches_the_same_examples_as_hf(target, tmp_path,
     assert hf["ids"].numel() >= 900 and torch.equal(hf["ids"], sg["ids"]) and torch.equal(hf["labels"], sg["labels"])
     assert engines[1] is None and engines[0].stats.emitted > 0  # the answers really came from the compiled engine
     with pytest.raises(ValueError, match="gen-engine"):
-        T.answer_engine(target, "vllm", 2, 8)
+        T.answer_engine(target, "vllm", 2)
 
 
 def test_chunk_text_bounds():
