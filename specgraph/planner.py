@@ -390,13 +390,16 @@ def measure_cost_model(fast, batch_sizes, grid, context: int, repeats: int = 5, 
 
 def plan(fast, prompts, *, batch_sizes=None, grid=DEFAULT_GRID, max_new_tokens: int = 48, repeats: int = 5,
          measure_depths=DEFAULT_MEASURE_DEPTHS, measure_batch_sizes=(1,), profile_depth: int | None = None,
-         runs: int = 1, eos_token_id=None, pad_token_id=None, progress=True, meta: dict | None = None) -> Plan:
+         runs: int = 1, eos_token_id=None, pad_token_id=None, progress=True, meta: dict | None = None,
+         measure_recommended: bool = True) -> Plan:
     """Measure, fit and recommend (module docstring). ``fast``: a compiled chain object (``"ngram"``,
     ``"suffix"``, a draft model, a ChainDrafter; ``None``: costs only). ``prompts``: token-id lists
     (or 1-D tensors). ``batch_sizes``: where t(N, B) is measured (default: the object's buckets up
     to 8); ``grid``: the N values; ``measure_depths`` / ``measure_batch_sizes``: where speedup is
     also measured end to end; ``profile_depth``: the depth of the acceptance run (default: the
-    largest measured depth). Progress goes to stderr."""
+    largest measured depth); ``measure_recommended``: also measure, at each of
+    ``measure_batch_sizes``, the depth the fit recommends when it is not among ``measure_depths``
+    (the prediction that matters is the one at the recommended depth). Progress goes to stderr."""
     from specgraph.adaptive import AUTO_DRAFTS, bucket_sizes
 
     if fast.tree is not None or fast.learned is not None or (fast.draft is not None and fast.draft not in AUTO_DRAFTS):
@@ -444,5 +447,28 @@ def plan(fast, prompts, *, batch_sizes=None, grid=DEFAULT_GRID, max_new_tokens: 
         "seconds": time.perf_counter() - t_start, **(meta or {}),
     }
     depths = range(0, max(grid)) if speculative else [0]  # γ + 1 <= the largest measured N: no extrapolation
-    return Plan.from_measurements(cost, profile, batch_sizes, depths, measured,
-                                  [list(s) for s in samples], info, per_prompt)
+    p = Plan.from_measurements(cost, profile, batch_sizes, depths, measured, [list(s) for s in samples], info,
+                               per_prompt)
+    if measure_recommended and measured:
+        extra = _measure_recommended(fast, p, rows, max_new_tokens, runs, eos_token_id, pad_token_id, progress)
+        if extra:
+            for b, row in extra.items():
+                measured[b].update(row)
+            info["measure_recommended"] = {b: sorted(row) for b, row in extra.items()}
+            info["seconds"] = time.perf_counter() - t_start
+            p = Plan.from_measurements(cost, profile, batch_sizes, depths, measured, [list(s) for s in samples], info,
+                                       per_prompt)
+    return p
+
+
+def _measure_recommended(fast, p: Plan, rows, max_new_tokens, runs, eos_token_id, pad_token_id, progress) -> dict:
+    """{B: {γ: measured speedup}} for each end-to-end batch size B whose recommended γ > 0 was not
+    measured yet; each is timed against its own plain runs, like the others."""
+    out = {}
+    for b, row in p.measured.items():
+        g = p.recommended.get(b, 0)
+        if g > 0 and g not in row:
+            _say(progress, f"measuring the recommended depth γ={g} at B={b}")
+            out[b] = measure_speedups(fast, rows, [b], [g], max_new_tokens, runs, eos_token_id, pad_token_id,
+                                      progress)[0][b]
+    return out

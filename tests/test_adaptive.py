@@ -283,7 +283,10 @@ def test_plan_measures_fits_recommends_and_round_trips(llama, tmp_path):
                        measure_depths=[1, 2, 4], measure_batch_sizes=[1, 2], progress=False,
                        eos_token_id=[], pad_token_id=PAD)
     assert set(p.recommended) == {1, 2} and all(0 <= g <= 4 for g in p.recommended.values())
-    assert set(p.measured) == {1, 2} and set(p.measured[1]) == {1, 2, 4}
+    assert set(p.measured) == {1, 2} and all({1, 2, 4} <= set(row) for row in p.measured.values())
+    for b, g in p.recommended.items():  # the recommended depth is measured too (it may be 3)
+        assert g == 0 or g in p.measured[b]
+        assert set(p.measured[b]) - {1, 2, 4} <= {g}
     assert all(s > 0 for row in p.measured.values() for s in row.values())
     assert p.profile.draft_rate > 0 and p.profile.survival[0] > 0  # repetitive prompts: lookups accepted
     assert fast.policy is None and fast.k == 4  # the object is left as it was
@@ -304,6 +307,19 @@ def test_plan_measures_fits_recommends_and_round_trips(llama, tmp_path):
     assert auto.k_ladder == rec
     ids, mask = left_pad(prompts)
     assert torch.equal(sg_generate(auto, ids, mask, max_new_tokens=16), hf_generate(llama, ids, mask, max_new_tokens=16))
+
+
+def test_plan_measures_a_recommended_depth_it_had_not_measured(llama):
+    from specgraph.planner import _measure_recommended
+
+    fast = specgraph.compile(llama, "ngram", num_speculative_tokens=4, backend="eager", max_batch_size=1,
+                             max_seq_len=MAX_SEQ)
+    p = cheap_plan()
+    p.recommended, p.measured = {1: 3}, {1: {1: 1.0, 2: 1.0}}
+    extra = _measure_recommended(fast, p, [repeated([11, 42, 7, 93], 13)], 8, 1, [], PAD, False)
+    assert set(extra) == {1} and set(extra[1]) == {3} and extra[1][3] > 0
+    p.recommended = {1: 2}  # already measured: nothing to do
+    assert _measure_recommended(fast, p, [repeated([11, 42, 7, 93], 13)], 8, 1, [], PAD, False) == {}
 
 
 def test_plan_with_a_draft_model_measures_the_draft_cost(llama):
