@@ -18,7 +18,8 @@ Per workload one compiled object serves every method (same graphs; ``specgraph.a
 pins the depth for "off" and "γ=k"); "auto" chooses among the fixed depths and 0, with a cost
 model measured on that object first (``specgraph.planner.measure_cost_model``; acceptance is
 learned online). Throughput = new tokens summed over the batch / wall time, median of --runs after
-a warm-up run (which compiles). Every method's output is checked against "off" (greedy: equal).
+a warm-up run of every method (which compiles); the timed runs go round the methods in turn.
+Every method's output is checked against "off" (greedy: equal).
 
 Targets (issue 6): auto >= 0.95 x max(off, best fixed γ) at every B; auto >= 0.90 x best fixed γ at B = 1.
 
@@ -114,6 +115,10 @@ def run_batches(fast, batches, max_new_tokens, pad, method, gamma):
     return outs, tokens, rounds, depths
 
 
+def _kind(method: str) -> str:
+    return "fixed" if method.startswith("gamma") else method
+
+
 def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
     rows = []
     pad = 0
@@ -121,24 +126,25 @@ def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
         n_batches = max(1, -(-len(prompts) // B))
         batches = [left_pad([prompts[(i * B + j) % len(prompts)] for j in range(B)], pad) for i in range(n_batches)]
         methods = [("off", 0)] + [(f"gamma={g}", g) for g in gammas] + [("auto", None)]
-        ref, results = None, {}
+        # every method is warmed up (compiled) first, then the timed runs go round the methods in
+        # turn, so a slow stretch of this shared machine hits them all alike
         for method, g in methods:
-            kind = "fixed" if method.startswith("gamma") else method
             t0 = time.perf_counter()
-            run_batches(fast, batches, args.max_new_tokens, pad, kind, g)  # warm-up (compiles)
+            run_batches(fast, batches, args.max_new_tokens, pad, _kind(method), g)
             say(f"{name} B={B} {method}: warm-up {time.perf_counter() - t0:.1f} s")
-            tps, last = [], None
-            for _ in range(args.runs):
+        tps, last = {m: [] for m, _ in methods}, {}
+        for _ in range(args.runs):
+            for method, g in methods:
                 t0 = time.perf_counter()
-                last = run_batches(fast, batches, args.max_new_tokens, pad, kind, g)
-                tps.append(last[1] / (time.perf_counter() - t0))
-            outs, tokens, rounds, hist = last
-            if ref is None:
-                ref = outs
+                last[method] = run_batches(fast, batches, args.max_new_tokens, pad, _kind(method), g)
+                tps[method].append(last[method][1] / (time.perf_counter() - t0))
+        ref, results = last["off"][0], {}
+        for method, g in methods:
+            outs, tokens, rounds, hist = last[method]
             equal = all(torch.equal(a, b) for a, b in zip(outs, ref))
-            results[method] = statistics.median(tps)
+            results[method] = statistics.median(tps[method])
             rows.append({"workload": name, **(extra or {}), "batch": B, "method": method, "gamma": g,
-                         "tokens_per_s": results[method], "runs": tps, "new_tokens": tokens,
+                         "tokens_per_s": results[method], "runs": tps[method], "new_tokens": tokens,
                          "tokens_per_row_round": tokens / max(rounds, 1) / B, "depths": hist, "equal_to_off": equal})
             say(f"{name} B={B} {method}: {results[method]:.1f} tok/s, {rows[-1]['tokens_per_row_round']:.2f} "
                 f"per row per round, depths {dict(sorted(hist.items()))}, equal={equal}")
@@ -218,6 +224,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cost-repeats", type=int, default=3, help="timed calls per (N, B) of the cost curve")
     ap.add_argument("--out", default="benchmarks/results/batch_bench.json")
     args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
     smoke = args.smoke
     batch_sizes = args.batch_sizes or ([1, 2] if smoke else [1, 2, 4, 8, 16, 32])
     gammas = sorted(set(args.gammas or [2, 4, 8]))

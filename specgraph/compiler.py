@@ -397,6 +397,11 @@ def propose_ngram_tree(spec: TreeSpec, rank: list[int], hist, L, active):
     return tokens, parents, (N, spec.children.shape[1], spec.max_depth), [N - 1] * B
 
 
+# tree_nodes="auto" warns when its best EAGLE tree is predicted less than this much faster than a
+# plain step (the prediction leaves out the loop's host time, which speculation does not shrink)
+TREE_GAIN_MARGIN = 0.05
+
+
 class SpecGraphModel:
     """What :func:`compile` returns. Call :meth:`generate`; read :attr:`stats`."""
 
@@ -445,6 +450,14 @@ class SpecGraphModel:
                               f"using {learned.EAGLE_TREE_NODES} nodes", stacklevel=3)
             if self.tree_choice is not None:
                 num_speculative_tokens, self.tree_nodes = self.tree_choice["depth"], self.tree_choice["nodes"]
+                if self.tree_choice["predicted_speedup"] < 1.0 + TREE_GAIN_MARGIN:
+                    # dynamic trees have no per-round off switch (num_speculative_tokens="auto" gates
+                    # chains only): say so rather than serve a predicted slowdown without a word
+                    warnings.warn(
+                        f"specgraph: on this machine the best EAGLE tree (depth {self.tree_choice['depth']}, "
+                        f"{self.tree_choice['nodes']} nodes) is predicted at "
+                        f"{self.tree_choice['predicted_speedup']:.2f}x a plain step: speculation may not pay here; "
+                        "draft=None compiles plain decoding (fast.tree_choice has the measurements)", stacklevel=3)
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
         if model.training:
@@ -1199,7 +1212,8 @@ def compile(
     acceptance per depth recorded in the head file by ``train-drafter``,
     choose the depth (at most ``num_speculative_tokens``) and N with the most expected tokens per
     second (:func:`specgraph.learned.choose_dynamic_tree`; ``fast.tree_choice`` holds the
-    measurements and predictions). A head without recorded acceptance keeps depth
+    measurements and predictions; a warning says when even the best tree is predicted less than
+    ``TREE_GAIN_MARGIN`` faster than plain decoding). A head without recorded acceptance keeps depth
     ``num_speculative_tokens`` and ``EAGLE_TREE_NODES`` nodes. An int fixes N.
 
     ``depths``: for model-free chains (``"ngram"``, ``"suffix"``), the depths to move between

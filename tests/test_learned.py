@@ -18,6 +18,7 @@ The sampling law of these drafters is checked in tests/test_compile_sampling.py.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -522,6 +523,22 @@ def test_tree_nodes_auto_measures_and_stays_exact():
         specgraph.compile(model, "ngram", tree_nodes=8, backend="eager")
     with pytest.raises(ValueError, match="tree_nodes"):
         specgraph.compile(model, head, tree="dynamic", tree_nodes=0, backend="eager")
+
+
+def test_tree_nodes_auto_warns_when_no_tree_is_predicted_to_pay(monkeypatch):
+    model = tiny_model("llama")
+    head = random_head(model, "eagle")
+    choice = {"depth": 1, "nodes": 4, "predicted_speedup": 0.97, "expected_emitted": 1.5, "candidates": []}
+    monkeypatch.setattr(specgraph.learned, "choose_dynamic_tree", lambda *a, **k: dict(choice))
+    with pytest.warns(UserWarning, match="predicted at 0.97x a plain step"):
+        fast = specgraph.compile(model, head, num_speculative_tokens=3, tree="dynamic", backend="eager",
+                                 max_batch_size=1, max_seq_len=MAX_SEQ)
+    assert fast.k == 1 and fast.tree_choice["predicted_speedup"] == 0.97
+    choice["predicted_speedup"] = 1.3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        specgraph.compile(model, head, num_speculative_tokens=3, tree="dynamic", backend="eager", max_batch_size=1,
+                          max_seq_len=MAX_SEQ)
 
 
 def test_tree_costs_cache_is_keyed_and_survives_a_bad_file(tmp_path, monkeypatch):
