@@ -9,7 +9,8 @@ Per sequence (row) the policy keeps an EWMA of the acceptance of the draft at ea
 the ones before it were accepted, read from the per-row emitted counts the generation loop fetches
 anyway (no extra host sync). Positions a row has not been observed at borrow the estimate of the
 position before (a geometric extrapolation), and a new row starts from a prior (the plan's
-first-position acceptance, else 0.5). Each round, the depth d maximising
+first-position acceptance, else 0.5) whose weight decays with each observation like the
+observations' own. Each round, the depth d maximising
 
     predicted tokens per second = Σ_rows E_row[emitted](d) / round_cost(d, B)
 
@@ -162,6 +163,10 @@ class AutoDepth(DepthPolicy):
         K = self.depths[-1]
         self.acc = np.zeros((n_rows, K))  # decayed count of accepted drafts at each position
         self.cnt = np.zeros((n_rows, K))  # decayed count of drafts that reached each position
+        # the prior's weight decays with the observations like they do: with a fixed weight, an
+        # EWMA holding ~6 observations never outweighs it, and a draft accepting nothing still
+        # reads as 12% acceptance (session 8: auto kept speculating where plain decoding won)
+        self.pw = np.full((n_rows, K), self.prior_weight)
         # one round's cost at each depth for this batch bucket (the padded rows run too)
         self.round_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
         self.off_rounds, self.wait = 0, self.probe_every
@@ -171,7 +176,7 @@ class AutoDepth(DepthPolicy):
         alpha = np.empty_like(self.acc)
         prev = np.full(self.acc.shape[0], self.prior)
         for j in range(self.acc.shape[1]):
-            alpha[:, j] = (self.acc[:, j] + self.prior_weight * prev) / (self.cnt[:, j] + self.prior_weight)
+            alpha[:, j] = (self.acc[:, j] + self.pw[:, j] * prev) / (self.cnt[:, j] + self.pw[:, j])
             prev = alpha[:, j]
         return alpha
 
@@ -205,6 +210,7 @@ class AutoDepth(DepthPolicy):
         hit = (j[None, :] < a[:, None]).astype(np.float64)
         self.acc = np.where(reached, self.decay * self.acc + hit, self.acc)
         self.cnt = np.where(reached, self.decay * self.cnt + 1.0, self.cnt)
+        self.pw = np.where(reached, self.decay * self.pw, self.pw)
 
 
 # ----------------------------------------------------------------------------------------------

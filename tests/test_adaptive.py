@@ -175,6 +175,24 @@ def test_per_row_estimates_follow_each_row():
     assert torch.allclose(torch.tensor(a[2]), torch.full((4,), 0.5, dtype=torch.float64))  # untouched prior
 
 
+def test_prior_fades_so_a_useless_draft_is_switched_off_even_when_drafts_are_cheap():
+    """Drafts that are never accepted, rounds at depth 2 only 10% dearer than plain: the estimate
+    must fall well below the 10% that would still pay. With the prior's weight fixed (before
+    session 8) it stayed at ~12% forever and speculation never turned off."""
+    pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)))
+    pol._reset(1, 1)
+    for _ in range(20):
+        pol._update(2, [1], [True])
+    assert pol.acceptance()[0, 0] < 0.02
+    assert pol._decide([True]) == 0
+    fixed = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)))  # the old behaviour, for contrast
+    fixed._reset(1, 1)
+    for _ in range(20):
+        fixed._update(2, [1], [True])
+        fixed.pw[:] = fixed.prior_weight
+    assert fixed.acceptance()[0, 0] > 0.1
+
+
 # ----------------------------------------------------------------------------------------------
 # batch serving: rows independent, up to 32
 
