@@ -163,20 +163,21 @@ class AutoDepth(DepthPolicy):
         K = self.depths[-1]
         self.acc = np.zeros((n_rows, K))  # decayed count of accepted drafts at each position
         self.cnt = np.zeros((n_rows, K))  # decayed count of drafts that reached each position
-        # the prior's weight decays with the observations like they do: with a fixed weight, an
-        # EWMA holding ~6 observations never outweighs it, and a draft accepting nothing still
-        # reads as 12% acceptance (session 8: auto kept speculating where plain decoding won)
-        self.pw = np.full((n_rows, K), self.prior_weight)
         # one round's cost at each depth for this batch bucket (the padded rows run too)
         self.round_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
         self.off_rounds, self.wait = 0, self.probe_every
 
     def acceptance(self) -> np.ndarray:
         """[rows, K] estimated acceptance of draft j + 1 given drafts 1..j were accepted."""
+        # the prior's weight decays with the observations like they do: with a fixed weight, an
+        # EWMA holding ~6 observations never outweighs it, and a draft accepting nothing still
+        # reads as 12% acceptance (session 8: auto kept speculating where plain decoding won).
+        # After n observations it is prior_weight * decay**n, and cnt = (1 - decay**n) / (1 - decay)
+        pw = self.prior_weight * np.clip(1.0 - (1.0 - self.decay) * self.cnt, 0.0, 1.0)
         alpha = np.empty_like(self.acc)
         prev = np.full(self.acc.shape[0], self.prior)
         for j in range(self.acc.shape[1]):
-            alpha[:, j] = (self.acc[:, j] + self.pw[:, j] * prev) / (self.cnt[:, j] + self.pw[:, j])
+            alpha[:, j] = (self.acc[:, j] + pw[:, j] * prev) / (self.cnt[:, j] + pw[:, j])
             prev = alpha[:, j]
         return alpha
 
@@ -210,7 +211,6 @@ class AutoDepth(DepthPolicy):
         hit = (j[None, :] < a[:, None]).astype(np.float64)
         self.acc = np.where(reached, self.decay * self.acc + hit, self.acc)
         self.cnt = np.where(reached, self.decay * self.cnt + 1.0, self.cnt)
-        self.pw = np.where(reached, self.decay * self.pw, self.pw)
 
 
 # ----------------------------------------------------------------------------------------------

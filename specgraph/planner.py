@@ -447,17 +447,20 @@ def plan(fast, prompts, *, batch_sizes=None, grid=DEFAULT_GRID, max_new_tokens: 
         "seconds": time.perf_counter() - t_start, **(meta or {}),
     }
     depths = range(0, max(grid)) if speculative else [0]  # γ + 1 <= the largest measured N: no extrapolation
-    p = Plan.from_measurements(cost, profile, batch_sizes, depths, measured, [list(s) for s in samples], info,
-                               per_prompt)
-    if measure_recommended and measured:
-        extra = _measure_recommended(fast, p, rows, max_new_tokens, runs, eos_token_id, pad_token_id, progress)
-        if extra:
-            for b, row in extra.items():
-                measured[b].update(row)
-            info["measure_recommended"] = {b: sorted(row) for b, row in extra.items()}
-            info["seconds"] = time.perf_counter() - t_start
-            p = Plan.from_measurements(cost, profile, batch_sizes, depths, measured, [list(s) for s in samples], info,
-                                       per_prompt)
+
+    def fit() -> Plan:
+        return Plan.from_measurements(cost, profile, batch_sizes, depths, measured, [list(s) for s in samples], info,
+                                      per_prompt)
+
+    p = fit()
+    extra = _measure_recommended(fast, p, rows, max_new_tokens, runs, eos_token_id, pad_token_id, progress) \
+        if measure_recommended else {}
+    if extra:  # refit: the measured speedups are part of the plan (its table, plot and errors)
+        for b, row in extra.items():
+            measured[b].update(row)
+        info["measure_recommended"] = {b: sorted(row) for b, row in extra.items()}
+        info["seconds"] = time.perf_counter() - t_start
+        p = fit()
     return p
 
 
