@@ -10,7 +10,12 @@ the ones before it were accepted, read from the per-row emitted counts the gener
 anyway (no extra host sync). Positions a row has not been observed at borrow the estimate of the
 position before (a geometric extrapolation), and a new row starts from a prior (the plan's
 first-position acceptance, else 0.5) whose weight decays with each observation like the
-observations' own. Each round, the depth d maximising
+observations' own. Later calls on the same object start new rows from what earlier calls saw
+instead: the rows' counts are pooled per position at the end of each call into a memory whose
+weight halves with every call, and while it holds at least one observation at a position its
+acceptance there is the new rows' prior (a serving object learns its workload's acceptance once,
+not once per request; session 8 measured a third of a 64-token call spent relearning it).
+Each round, the depth d maximising
 
     predicted tokens per second = Σ_rows E_row[emitted](d) / round_cost(d, B)
 
@@ -21,7 +26,8 @@ depth must beat plain decoding by ``margin`` to be chosen. While speculation is 
 observed, so the policy re-probes on a fixed schedule: after ``probe_every`` plain rounds it runs
 one round at the smallest depth, doubling the wait after each probe that does not switch
 speculation back on (up to ``probe_max``) and resetting it once it does. The choices are a pure
-function of the observed counts: the same seed gives the same sequence of depths.
+function of the observed counts, those of earlier calls included: the same seed on an object in
+the same state (a new one, or after :meth:`AutoDepth.forget`) gives the same sequence of depths.
 
 The depth is a function of the past only, and every round samples the target's next tokens
 exactly whatever its depth, so the output law (and greedy output) is unchanged.
@@ -39,6 +45,7 @@ DEFAULT_DEPTHS = (2, 4, 8)
 PRIOR_ACCEPT = 0.5  # first-position acceptance assumed for a new row without a plan
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
 HALFLIFE = 4.0  # an observation's weight halves after this many newer ones at that position
+MEMORY_KEEP = 0.5  # the weight the pooled memory keeps with each later call
 PROBE_EVERY = 8  # plain rounds before the first re-probe
 PROBE_MAX = 64  # the longest wait between re-probes
 MARGIN = 0.02  # a depth must be predicted >= 2% faster than plain decoding
@@ -158,9 +165,19 @@ class AutoDepth(DepthPolicy):
         self.prior = PRIOR_ACCEPT if prior is None else prior.conditional(1) * prior.draft_rate
         self.decay = 0.5 ** (1.0 / halflife)
         self.prior_weight, self.probe_every, self.probe_max, self.margin = prior_weight, probe_every, probe_max, margin
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop what earlier calls observed: the next call's rows start from the static prior."""
+        K = self.depths[-1]
+        self.mem_acc, self.mem_cnt = np.zeros(K), np.zeros(K)  # pooled decayed counts per position
+        self.acc = self.cnt = np.zeros((0, K))
 
     def _reset(self, n_rows, batch):
         K = self.depths[-1]
+        # fold the previous call's rows into the memory (rows that never drafted add nothing)
+        self.mem_acc = MEMORY_KEEP * self.mem_acc + self.acc.sum(axis=0)
+        self.mem_cnt = MEMORY_KEEP * self.mem_cnt + self.cnt.sum(axis=0)
         self.acc = np.zeros((n_rows, K))  # decayed count of accepted drafts at each position
         self.cnt = np.zeros((n_rows, K))  # decayed count of drafts that reached each position
         # one round's cost at each depth for this batch bucket (the padded rows run too)
@@ -174,12 +191,19 @@ class AutoDepth(DepthPolicy):
         # reads as 12% acceptance (session 8: auto kept speculating where plain decoding won).
         # After n observations it is prior_weight * decay**n, and cnt = (1 - decay**n) / (1 - decay)
         pw = self.prior_weight * np.clip(1.0 - (1.0 - self.decay) * self.cnt, 0.0, 1.0)
+        pooled = self.pooled_acceptance()
         alpha = np.empty_like(self.acc)
         prev = np.full(self.acc.shape[0], self.prior)
         for j in range(self.acc.shape[1]):
-            alpha[:, j] = (self.acc[:, j] + pw[:, j] * prev) / (self.cnt[:, j] + pw[:, j])
+            prior = prev if np.isnan(pooled[j]) else pooled[j]
+            alpha[:, j] = (self.acc[:, j] + pw[:, j] * prior) / (self.cnt[:, j] + pw[:, j])
             prev = alpha[:, j]
         return alpha
+
+    def pooled_acceptance(self) -> np.ndarray:
+        """[K] what earlier calls observed at each position (NaN where under one observation)."""
+        known = self.mem_cnt >= 1.0
+        return np.where(known, self.mem_acc / np.where(known, self.mem_cnt, 1.0), np.nan)
 
     def expected_emitted(self) -> np.ndarray:
         """[rows, len(depths)]: each row's predicted tokens emitted per round at each depth."""

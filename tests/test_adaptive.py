@@ -16,11 +16,12 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import specgraph
-from specgraph.adaptive import AutoDepth, FixedDepth, forced_depth
+from specgraph.adaptive import PROBE_EVERY, AutoDepth, FixedDepth, forced_depth
 from specgraph.drafters import ChainDrafter, ReplayDrafter
 from specgraph.perfmodel import AcceptanceProfile, CostCurve, CostModel, LinearCost
 from specgraph.planner import Plan
@@ -117,6 +118,7 @@ def test_gating_is_deterministic_under_a_seed(llama):
     ids, mask = left_pad(PROMPTS_5)
     runs = []
     for _ in range(2):
+        fast.policy.forget()  # the same state: otherwise the second call starts from the first's counts
         out = fast.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=True, temperature=0.8,
                             generator=torch.Generator().manual_seed(5), pad_token_id=PAD, eos_token_id=[])
         runs.append((out, list(fast.policy.trace)))
@@ -144,6 +146,42 @@ def test_replay_beta_turns_speculation_off_or_keeps_it_on(llama, beta):
         gaps = [b - a - 1 for a, b in zip(on, on[1:])]
         assert on[0] == 0 and len(gaps) >= 2 and gaps == [8 * 2**i for i in range(len(gaps))], trace
         assert all(trace[i] == 2 for i in on), trace  # probes use the smallest depth
+
+
+def test_later_calls_start_from_what_earlier_calls_observed(llama):
+    """A useless draft: the first call learns it (one drafted round, then plain); the second call's
+    rows start from the pooled memory and never draft before the first re-probe. forget() brings the
+    first call's behaviour back, round for round."""
+    ids, mask = left_pad(PROMPTS_4)
+    fast = _replay_fast(llama, PROMPTS_4, 0.0, 30)
+    ref = hf_generate(llama, ids, mask, max_new_tokens=30)
+    traces = []
+    for forget in (False, False, True):
+        if forget:
+            fast.policy.forget()
+        assert torch.equal(sg_generate(fast, ids, mask, max_new_tokens=30), ref)
+        traces.append(list(fast.policy.trace))
+        assert np.isnan(fast.policy.pooled_acceptance()[0]) == (len(traces) == 1 or forget)
+    first, second, after_forget = traces
+    assert first[0] == 2 and first[1] == 0, first
+    assert second[: PROBE_EVERY] == [0] * PROBE_EVERY and second.count(2) < first.count(2), (first, second)
+    assert after_forget == first
+
+
+def test_memory_pools_rows_per_position_and_fades_per_call():
+    pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)))
+    pol._reset(2, 2)
+    assert np.isnan(pol.pooled_acceptance()).all()  # nothing earlier
+    for _ in range(3):
+        pol._update(2, [3, 1], [True, True])  # row 0 accepts both drafts, row 1 none
+    pol._reset(1, 1)  # a new call: the two rows are pooled
+    pooled = pol.pooled_acceptance()
+    assert pooled[0] == pytest.approx(0.5) and pooled[1] == pytest.approx(1.0), pooled  # position 2 only saw row 0
+    assert pol.acceptance()[0].tolist() == pytest.approx(pooled.tolist())  # the new row starts there
+    for _ in range(4):  # calls that draft nothing: the memory halves each time, then is dropped
+        pol._reset(1, 1)
+    assert np.isnan(pol.pooled_acceptance()).all()
+    assert pol.acceptance()[0, 0] == pytest.approx(0.5)  # back to the static prior
 
 
 def test_policy_switches_back_on_after_a_probe():
