@@ -241,7 +241,12 @@ def main(argv=None) -> int:
             warmup = {}
             for name, fn in methods.items():  # warm-up (compiles specgraph graphs on first use)
                 t0 = time.perf_counter()
-                fn(ids)
+                # sampled lengths decide the attended widths (hence graphs): warm up under every
+                # timed seed, or a timed run may compile one
+                for r in range(args.runs if args.temperature > 0 else 1):
+                    if args.temperature > 0:
+                        torch.manual_seed(r)
+                    fn(ids)
                 sync()
                 warmup[name] = time.perf_counter() - t0
                 print(f"[warm-up] {pname} {name}: {warmup[name]:.1f} s", file=sys.stderr, flush=True)
