@@ -18,8 +18,9 @@ Per workload one compiled object serves every method (same graphs; ``specgraph.a
 pins the depth for "off" and "γ=k"); "auto" chooses among the fixed depths and 0, with a cost
 model measured on that object first (``specgraph.planner.measure_cost_model``; acceptance is
 learned online; like a serving object, "auto" keeps what earlier calls observed, so its warm-up
-call teaches the timed ones the workload's acceptance). Throughput = new tokens summed over the batch / wall time, median of --runs after
-a warm-up run of every method (which compiles); the timed runs go round the methods in turn.
+call teaches the timed ones the workload's acceptance). Throughput = new tokens summed over the
+batch / wall time, median of --runs after a warm-up run of every method (which compiles); the
+timed runs go round the methods in turn.
 Every method's output is checked against "off" (greedy: equal).
 
 Targets (issue 6): auto >= 0.95 x max(off, best fixed γ) at every B; auto >= 0.90 x best fixed γ at B = 1.
