@@ -21,13 +21,23 @@ Each round, the depth d maximising
 
 over the set is chosen for the whole batch (one graph per round), where round_cost is the plan's
 measured cost curve plus the draft's cost (:class:`specgraph.perfmodel.CostModel`), or a
-conservative built-in curve (:class:`specgraph.perfmodel.LinearCost`) when no plan is given. A
+conservative built-in curve (:class:`specgraph.perfmodel.LinearCost`) when no plan is given,
+corrected by what rounds really cost in the loop: every round's wall time (one choice to the
+next: drafting, the graph, the host sync and the bookkeeping) is kept per (batch bucket, depth) as
+a ratio to the curve, and from the next call on each depth's cost is the curve times the median
+ratio at that depth (a depth not yet timed borrows the nearest timed drafted depth's, else the
+plain one's). Graph calls timed in isolation miss the drafting and the loop around them: session
+9 measured rounds at depth 2 and B = 16 at the cost of a plain step in isolation but 17% dearer in
+the loop, and "auto" drafted where plain decoding won. So that drafted rounds are compared with
+plain rounds timed alike, the first ``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A
 depth must beat plain decoding by ``margin`` to be chosen. While speculation is off nothing is
 observed, so the policy re-probes on a fixed schedule: after ``probe_every`` plain rounds it runs
 one round at the smallest depth, doubling the wait after each probe that does not switch
-speculation back on (up to ``probe_max``) and resetting it once it does. The choices are a pure
-function of the observed counts, those of earlier calls included: the same seed on an object in
-the same state (a new one, or after :meth:`AutoDepth.forget`) gives the same sequence of depths.
+speculation back on (up to ``probe_max``) and resetting it once it does. Within a call the choices are a
+pure function of the observed counts and of the state at the call's start (the round times are
+folded in only between calls): the same seed on an object in the same state (a new one, or after
+:meth:`AutoDepth.forget`) gives the same sequence of depths. With ``learn_cost=False`` the times
+are not used at all.
 
 The depth is a function of the past only, and every round samples the target's next tokens
 exactly whatever its depth, so the output law (and greedy output) is unchanged.
@@ -35,6 +45,7 @@ exactly whatever its depth, so the output law (and greedy output) is unchanged.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import torch
@@ -49,6 +60,8 @@ MEMORY_KEEP = 0.5  # the weight the pooled memory keeps with each later call
 PROBE_EVERY = 8  # plain rounds before the first re-probe
 PROBE_MAX = 64  # the longest wait between re-probes
 MARGIN = 0.02  # a depth must be predicted >= 2% faster than plain decoding
+COST_KEEP = 16  # the latest timed rounds kept per (batch bucket, depth)
+COST_MIN_PLAIN = 3  # plain rounds timed at a batch bucket before drafted ones are judged against them
 AUTO_DRAFTS = ("ngram", "suffix", "model", "custom")
 
 
@@ -61,6 +74,9 @@ class DepthPolicy:
 
     def __init__(self):
         self.trace: list[int] = []  # the depth chosen for each round of the last call
+        self.round_times: list[tuple[int, float]] = []  # (depth run, seconds) per timed round of the last call
+        self.clock = time.perf_counter
+        self._t_prev = self._k_prev = None
 
     # generation-loop hooks --------------------------------------------------------------------
 
@@ -71,8 +87,15 @@ class DepthPolicy:
         # prompt tokens but the last (the first root)
         self._draft_valid = [len(r) - 2 for r in rows] if fast.draft == "model" else None
         self._reset(len(rows), batch)
+        self.round_times, self._t_prev, self._k_prev = [], None, None
 
     def choose(self, done: list[bool], L_host: list[int], hist: torch.Tensor) -> int:
+        # a round runs from one choice to the next: the choice itself, any draft catch-up, the
+        # drafting, the graph, the host sync and the loop's bookkeeping (the last round is not timed)
+        now = self.clock()
+        if self._k_prev is not None:
+            self.round_times.append((self._k_prev, now - self._t_prev))
+        self._t_prev, self._k_prev = now, None
         live = [not d for d in done[: self.n_rows]]
         k = self._decide(live) if any(live) else 0
         self.trace.append(k)
@@ -84,6 +107,7 @@ class DepthPolicy:
         """After a round at depth ``k`` (per-row drafted counts for trees: ignored) in which row b
         emitted ``n_emitted[b]`` tokens (accepted + 1), with ``L_host`` the rows' root positions
         before the round."""
+        self._k_prev = None if isinstance(k, list) else int(k)  # the depth that ran (prompt lookup may not match)
         if isinstance(k, list) or k <= 0:
             return
         live = [not d for d in done[: self.n_rows]]
@@ -153,7 +177,7 @@ class AutoDepth(DepthPolicy):
 
     def __init__(self, depths, cost: CostModel, prior: AcceptanceProfile | None = None, *, halflife: float = HALFLIFE,
                  prior_weight: float = PRIOR_WEIGHT, probe_every: int = PROBE_EVERY, probe_max: int = PROBE_MAX,
-                 margin: float = MARGIN):
+                 margin: float = MARGIN, learn_cost: bool = True):
         super().__init__()
         pos = sorted({int(d) for d in depths if int(d) > 0})
         if not pos:
@@ -165,24 +189,58 @@ class AutoDepth(DepthPolicy):
         self.prior = PRIOR_ACCEPT if prior is None else prior.conditional(1) * prior.draft_rate
         self.decay = 0.5 ** (1.0 / halflife)
         self.prior_weight, self.probe_every, self.probe_max, self.margin = prior_weight, probe_every, probe_max, margin
+        self.learn_cost = learn_cost
         self.forget()
 
     def forget(self) -> None:
-        """Drop what earlier calls observed: the next call's rows start from the static prior."""
+        """Drop what earlier calls observed (acceptance and round times): the next call's rows
+        start from the static prior and its costs from the cost model."""
         K = self.depths[-1]
         self.mem_acc, self.mem_cnt = np.zeros(K), np.zeros(K)  # pooled decayed counts per position
-        self.acc = self.cnt = np.zeros((0, K))
+        self.acc, self.cnt = np.zeros((0, K)), np.zeros((0, K))
+        self.timed: dict[int, dict[int, list[float]]] = {}  # batch -> depth -> latest (seconds / modelled cost)
+        self.round_times, self.batch = [], None
 
     def _reset(self, n_rows, batch):
         K = self.depths[-1]
         # fold the previous call's rows into the memory (rows that never drafted add nothing)
         self.mem_acc = MEMORY_KEEP * self.mem_acc + self.acc.sum(axis=0)
         self.mem_cnt = MEMORY_KEEP * self.mem_cnt + self.cnt.sum(axis=0)
+        self._fold_round_times()
         self.acc = np.zeros((n_rows, K))  # decayed count of accepted drafts at each position
         self.cnt = np.zeros((n_rows, K))  # decayed count of drafts that reached each position
         # one round's cost at each depth for this batch bucket (the padded rows run too)
-        self.round_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
+        self.batch = batch
+        self.model_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
+        self.round_cost = self.model_cost * self.cost_factors(batch)
         self.off_rounds, self.wait = 0, self.probe_every
+        self.plain_timed = len(self.timed.get(batch, {}).get(0, ()))
+
+    def _fold_round_times(self) -> None:
+        """The last call's round times join the per-(batch, depth) ratios to the cost model."""
+        if self.batch is None or not self.learn_cost:
+            return
+        model = {d: self.cost.round_cost(d, self.batch) for d in self.depths}
+        per = self.timed.setdefault(self.batch, {})
+        for d, sec in self.round_times:
+            if d in model and model[d] > 0:
+                per[d] = (per.get(d, []) + [sec / model[d]])[-COST_KEEP:]
+
+    def cost_factors(self, batch: int) -> np.ndarray:
+        """[len(depths)] measured in-loop cost / modelled cost at each depth for ``batch`` (median
+        of the latest timed rounds); untimed drafted depths borrow the nearest timed drafted depth's
+        factor, else the plain one's, else 1."""
+        per = {d: float(np.median(v)) for d, v in self.timed.get(batch, {}).items() if v}
+        drafted = [d for d in per if d > 0]
+        out = []
+        for d in self.depths:
+            if d in per:
+                out.append(per[d])
+            elif d > 0 and drafted:
+                out.append(per[min(drafted, key=lambda e: (abs(e - d), e))])
+            else:
+                out.append(per.get(0, 1.0))
+        return np.array(out)
 
     def acceptance(self) -> np.ndarray:
         """[rows, K] estimated acceptance of draft j + 1 given drafts 1..j were accepted."""
@@ -212,6 +270,8 @@ class AutoDepth(DepthPolicy):
         return 1.0 + cum[:, self.depths]
 
     def _decide(self, live):
+        if self.learn_cost and self.plain_timed < COST_MIN_PLAIN:
+            return 0  # time plain rounds first: drafted rounds' costs are judged against them
         E = self.expected_emitted()[np.array(live, dtype=bool)]
         rate = E.sum(axis=0) / self.round_cost  # predicted tokens per second at each depth
         best = int(np.argmax(rate))  # first maximum: ties go to the smaller depth
@@ -225,6 +285,11 @@ class AutoDepth(DepthPolicy):
             self.off_rounds, self.wait = 0, min(2 * self.wait, self.probe_max)
             return self.depths[1]
         return 0
+
+    def observe(self, k, n_emitted, done, L_host):
+        if k == 0:
+            self.plain_timed += 1
+        super().observe(k, n_emitted, done, L_host)
 
     def _update(self, k, n_emitted, live):
         K = self.acc.shape[1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import specgraph
-from specgraph.adaptive import PROBE_EVERY, AutoDepth, FixedDepth, forced_depth
+from specgraph.adaptive import COST_MIN_PLAIN, PROBE_EVERY, AutoDepth, FixedDepth, forced_depth
 from specgraph.drafters import ChainDrafter, ReplayDrafter
 from specgraph.perfmodel import AcceptanceProfile, CostCurve, CostModel, LinearCost
 from specgraph.planner import Plan
@@ -135,16 +136,17 @@ def test_replay_beta_turns_speculation_off_or_keeps_it_on(llama, beta):
     out = sg_generate(fast, ids, mask, max_new_tokens=60)
     assert torch.equal(out, ref)
     trace = fast.policy.trace
+    assert trace[:COST_MIN_PLAIN] == [0] * COST_MIN_PLAIN, trace  # plain rounds timed first
     if beta == 1.0:
         # every draft of the continuation is accepted (the last rounds draft past its end: rejected)
-        assert 0 not in trace and fast.stats.accepted >= 0.9 * fast.stats.drafted, fast.stats
+        assert 0 not in trace[COST_MIN_PLAIN:] and fast.stats.accepted >= 0.9 * fast.stats.drafted, fast.stats
         assert trace[-2] == 8, trace  # the deepest compiled depth
     else:
         assert fast.stats.accepted == 0
         on = [i for i, k in enumerate(trace) if k > 0]
-        # off after the first round; then only the fixed re-probe schedule: 8, 16, 32 plain rounds apart
+        # off after the first drafted round; then only the fixed re-probe schedule: 8, 16, 32 plain rounds apart
         gaps = [b - a - 1 for a, b in zip(on, on[1:])]
-        assert on[0] == 0 and len(gaps) >= 2 and gaps == [8 * 2**i for i in range(len(gaps))], trace
+        assert on[0] == COST_MIN_PLAIN and len(gaps) >= 2 and gaps == [8 * 2**i for i in range(len(gaps))], trace
         assert all(trace[i] == 2 for i in on), trace  # probes use the smallest depth
 
 
@@ -163,13 +165,14 @@ def test_later_calls_start_from_what_earlier_calls_observed(llama):
         traces.append(list(fast.policy.trace))
         assert np.isnan(fast.policy.pooled_acceptance()[0]) == (len(traces) == 1 or forget)
     first, second, after_forget = traces
-    assert first[0] == 2 and first[1] == 0, first
+    c = COST_MIN_PLAIN  # the first call times plain rounds first; later ones need not
+    assert first[:c] == [0] * c and first[c] == 2 and first[c + 1] == 0, first
     assert second[: PROBE_EVERY] == [0] * PROBE_EVERY and second.count(2) < first.count(2), (first, second)
     assert after_forget == first
 
 
 def test_memory_pools_rows_per_position_and_fades_per_call():
-    pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)))
+    pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
     pol._reset(2, 2)
     assert np.isnan(pol.pooled_acceptance()).all()  # nothing earlier
     for _ in range(3):
@@ -187,7 +190,7 @@ def test_memory_pools_rows_per_position_and_fades_per_call():
 def test_policy_switches_back_on_after_a_probe():
     """Unit test of the schedule: rows reject everything, speculation goes off; then rows accept
     everything, and the next probe turns it back on."""
-    pol = AutoDepth([2, 4], CostModel(LinearCost(1.0, 0.05)))
+    pol = AutoDepth([2, 4], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
     pol._reset(2, 2)
     chosen = []
     for r in range(40):
@@ -203,7 +206,7 @@ def test_policy_switches_back_on_after_a_probe():
 
 
 def test_per_row_estimates_follow_each_row():
-    pol = AutoDepth([2, 4], CostModel(LinearCost(1.0, 0.05)))
+    pol = AutoDepth([2, 4], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
     pol._reset(3, 4)
     for _ in range(6):
         pol._update(4, [5, 1, 3], [True, True, False])  # row 0 accepts all, row 1 none, row 2 done
@@ -217,7 +220,7 @@ def test_prior_fades_so_a_useless_draft_is_switched_off_even_when_drafts_are_che
     """Drafts that are never accepted, rounds at depth 2 only 10% dearer than plain: the estimate
     must fall well below the 10% that would still pay. With the prior's weight fixed (before
     session 8) it stayed at ~12% forever and speculation never turned off."""
-    pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)))
+    pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
     pol._reset(1, 1)
     for _ in range(20):
         pol._update(2, [1], [True])
@@ -226,6 +229,77 @@ def test_prior_fades_so_a_useless_draft_is_switched_off_even_when_drafts_are_che
     # the old estimate from the same counts, for contrast: the prior at its full weight
     old = (pol.acc[0, 0] + pol.prior_weight * pol.prior) / (pol.cnt[0, 0] + pol.prior_weight)
     assert old > 0.1
+
+
+class FakeClock:
+    """Advanced by hand: a round at depth d 'takes' cost[d] seconds."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def simulate_calls(pol, real_cost, n_calls=2, rounds=40, emitted=2):
+    """Runs ``pol`` through ``n_calls`` calls of ``rounds`` rounds on one row that accepts the first
+    draft of every round and nothing after it; each round takes real_cost[depth run] on the clock."""
+    fake = SimpleNamespace(draft="ngram")
+    pol.clock = clock = FakeClock()
+    traces = []
+    for _ in range(n_calls):
+        pol.start(fake, [[1, 2, 3]], 1, "cpu")
+        for _ in range(rounds):
+            k = pol.choose([False], [2], None)
+            clock.t += real_cost[k]
+            pol.observe(k, [min(emitted, k + 1)], [False], [2])
+        traces.append(list(pol.trace))
+    return traces
+
+
+def test_round_costs_learned_in_the_loop_turn_off_drafts_the_cost_model_thinks_free():
+    """The cost model says a round at any depth costs a plain step; in the loop depth 2 costs 2.5x
+    and depth 4 4x. Rows emit 2 tokens per drafted round, so drafting pays on the model (2 > 1) and
+    loses in the loop (2 / 2.5 < 1). The first call times 3 plain rounds, then drafts on the model;
+    from the second call the measured factors price the drafts and it stays off but for re-probes."""
+    real = {0: 1.0, 2: 2.5, 4: 4.0}
+    pol = AutoDepth([2, 4], CostModel(LinearCost(1.0, 0.0)))
+    first, second = simulate_calls(pol, real)
+    assert first[:COST_MIN_PLAIN] == [0] * COST_MIN_PLAIN and all(k > 0 for k in first[COST_MIN_PLAIN:]), first
+    # on the model the deepest depth wins (free rounds, any acceptance left): only depth 4 ran, and
+    # depth 2 borrows its factor
+    assert set(first[COST_MIN_PLAIN:]) == {4} and pol.cost_factors(1).tolist() == pytest.approx([1.0, 4.0, 4.0])
+    assert sum(k > 0 for k in second) <= 3 and second[0] == 0, second  # re-probes only
+    # the round times: one per round but the last, with the depth that ran
+    assert [k for k, _ in pol.round_times] == second[:-1]
+    assert [t for _, t in pol.round_times] == pytest.approx([real[k] for k in second[:-1]])
+    # deterministic: a fresh policy on the same clock makes the same choices; without learning the
+    # second call drafts like the first
+    assert simulate_calls(AutoDepth([2, 4], CostModel(LinearCost(1.0, 0.0))), real) == [first, second]
+    blind = simulate_calls(AutoDepth([2, 4], CostModel(LinearCost(1.0, 0.0)), learn_cost=False), real)
+    assert all(k > 0 for k in blind[1]), blind
+    pol.forget()  # drops the times too
+    assert pol.cost_factors(1).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_round_costs_learned_in_the_loop_keep_drafts_that_pay():
+    """The mirror case: the model prices drafts dear (per-token cost 1), the loop finds them
+    nearly free; from the second call auto drafts where the model kept it off."""
+    real = {0: 1.0, 2: 1.05, 4: 1.1}
+    pol = AutoDepth([2, 4], CostModel(LinearCost(1.0, 1.0)))
+    first, second = simulate_calls(pol, real, emitted=2)
+    assert sum(k > 0 for k in first) <= 10, first  # the model: depth 2 costs 2x a plain step, so mostly off
+    assert all(k > 0 for k in second), second
+
+
+def test_round_times_record_the_depth_that_ran(llama):
+    ids, mask = left_pad(PROMPTS_4)
+    fast = _replay_fast(llama, PROMPTS_4, 1.0, 20)
+    sg_generate(fast, ids, mask, max_new_tokens=20)
+    times = fast.policy.round_times
+    assert len(times) == fast.stats.rounds - 1
+    assert [k for k, _ in times] == fast.policy.trace[:-1]  # replay always proposes: the chosen depth ran
+    assert all(t > 0 for _, t in times)
 
 
 # ----------------------------------------------------------------------------------------------
