@@ -33,7 +33,8 @@ plain rounds timed alike, the first ``COST_MIN_PLAIN`` rounds at a batch bucket 
 depth must beat plain decoding by ``margin`` to be chosen. While speculation is off nothing is
 observed, so the policy re-probes on a fixed schedule: after ``probe_every`` plain rounds it runs
 one round at the smallest depth, doubling the wait after each probe that does not switch
-speculation back on (up to ``probe_max``) and resetting it once it does. Within a call the choices are a
+speculation back on (up to ``probe_max``) and resetting it once it does; the schedule carries
+over from one call to the next at the same batch bucket. Within a call the choices are a
 pure function of the observed counts and of the state at the call's start (the round times are
 folded in only between calls): the same seed on an object in the same state (a new one, or after
 :meth:`AutoDepth.forget`) gives the same sequence of depths. With ``learn_cost=False`` the times
@@ -199,7 +200,8 @@ class AutoDepth(DepthPolicy):
         self.mem_acc, self.mem_cnt = np.zeros(K), np.zeros(K)  # pooled decayed counts per position
         self.acc, self.cnt = np.zeros((0, K)), np.zeros((0, K))
         self.timed: dict[int, dict[int, list[float]]] = {}  # batch -> depth -> latest (seconds / modelled cost)
-        self.round_times, self.batch = [], None
+        self.probe_state: dict[int, tuple[int, int]] = {}  # batch -> (plain rounds since the last probe, wait)
+        self.round_times, self.last_batch = [], None  # the bucket the last call (its times, its schedule) ran at
 
     def _reset(self, n_rows, batch):
         K = self.depths[-1]
@@ -207,21 +209,26 @@ class AutoDepth(DepthPolicy):
         self.mem_acc = MEMORY_KEEP * self.mem_acc + self.acc.sum(axis=0)
         self.mem_cnt = MEMORY_KEEP * self.mem_cnt + self.cnt.sum(axis=0)
         self._fold_round_times()
+        if self.last_batch is not None:
+            self.probe_state[self.last_batch] = (self.off_rounds, self.wait)
         self.acc = np.zeros((n_rows, K))  # decayed count of accepted drafts at each position
         self.cnt = np.zeros((n_rows, K))  # decayed count of drafts that reached each position
         # one round's cost at each depth for this batch bucket (the padded rows run too)
-        self.batch = batch
+        self.last_batch = batch
         self.model_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
         self.round_cost = self.model_cost * self.cost_factors(batch)
-        self.off_rounds, self.wait = 0, self.probe_every
+        # the re-probe schedule goes on where the last call at this bucket left it: restarting it
+        # at probe_every each call re-probed a draft that never pays 3-4 times per call (session 10,
+        # B = 16: those probe rounds, each ~2-4 plain steps, cost auto 11%)
+        self.off_rounds, self.wait = self.probe_state.get(batch, (0, self.probe_every))
         self.plain_timed = len(self.timed.get(batch, {}).get(0, ()))
 
     def _fold_round_times(self) -> None:
         """The last call's round times join the per-(batch, depth) ratios to the cost model."""
-        if self.batch is None or not self.learn_cost:
+        if self.last_batch is None or not self.learn_cost:
             return
-        model = {d: self.cost.round_cost(d, self.batch) for d in self.depths}
-        per = self.timed.setdefault(self.batch, {})
+        model = {d: self.cost.round_cost(d, self.last_batch) for d in self.depths}
+        per = self.timed.setdefault(self.last_batch, {})
         for d, sec in self.round_times:
             if d in model and model[d] > 0:
                 per[d] = (per.get(d, []) + [sec / model[d]])[-COST_KEEP:]

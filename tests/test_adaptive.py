@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import specgraph
-from specgraph.adaptive import COST_MIN_PLAIN, PROBE_EVERY, AutoDepth, FixedDepth, forced_depth
+from specgraph.adaptive import COST_MIN_PLAIN, PROBE_EVERY, PROBE_MAX, AutoDepth, FixedDepth, forced_depth
 from specgraph.drafters import ChainDrafter, ReplayDrafter
 from specgraph.perfmodel import AcceptanceProfile, CostCurve, CostModel, LinearCost
 from specgraph.planner import Plan
@@ -290,6 +290,20 @@ def test_round_costs_learned_in_the_loop_keep_drafts_that_pay():
     first, second = simulate_calls(pol, real, emitted=2)
     assert sum(k > 0 for k in first) <= 10, first  # the model: depth 2 costs 2x a plain step, so mostly off
     assert all(k > 0 for k in second), second
+
+
+def test_probe_schedule_carries_over_between_calls():
+    """A draft that is never accepted, over two calls of 40 rounds: the re-probes keep doubling
+    their wait across the call boundary as if it were one call of 80 rounds (restarting the
+    schedule each call re-probed 3-4 times per call)."""
+    pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
+    first, second = simulate_calls(pol, {0: 1.0, 2: 1.0}, rounds=40, emitted=1)
+    on = [i for i, k in enumerate(first + second) if k > 0]
+    gaps = [b - a - 1 for a, b in zip(on, on[1:]) if b - a > 1]  # after the prior's first drafted rounds
+    assert gaps == [min(PROBE_EVERY * 2**i, PROBE_MAX) for i in range(3)], on
+    assert second.index(2) > PROBE_EVERY, second  # a restarted schedule would probe after 8 plain rounds
+    pol.forget()
+    assert simulate_calls(pol, {0: 1.0, 2: 1.0}, n_calls=1, rounds=40, emitted=1)[0] == first
 
 
 def test_round_times_record_the_depth_that_ran(llama):
