@@ -98,8 +98,9 @@ def random_prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list
 
 @torch.no_grad()
 def run_batches(fast, batches, max_new_tokens, pad, method, gamma):
-    """All batches once under ``method``: (outputs, new tokens, rounds, depth histogram)."""
-    outs, tokens, rounds, depths = [], 0, 0, {}
+    """All batches once under ``method``: (outputs, new tokens, rounds, depth histogram, round
+    seconds by the depth that ran)."""
+    outs, tokens, rounds, depths, times = [], 0, 0, {}, {}
     ctx = forced_depth(fast, 0 if method == "off" else gamma) if method != "auto" else None
     if ctx is not None:
         ctx.__enter__()
@@ -111,10 +112,12 @@ def run_batches(fast, batches, max_new_tokens, pad, method, gamma):
             rounds += fast.stats.rounds
             for d in fast.policy.trace:
                 depths[d] = depths.get(d, 0) + 1
+            for d, sec in fast.policy.round_times:
+                times.setdefault(d, []).append(sec)
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
-    return outs, tokens, rounds, depths
+    return outs, tokens, rounds, depths, times
 
 
 def _kind(method: str) -> str:
@@ -142,14 +145,22 @@ def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
                 tps[method].append(last[method][1] / (time.perf_counter() - t0))
         ref, results = last["off"][0], {}
         for method, g in methods:
-            outs, tokens, rounds, hist = last[method]
+            outs, tokens, rounds, hist, times = last[method]
             equal = all(torch.equal(a, b) for a, b in zip(outs, ref))
             results[method] = statistics.median(tps[method])
+            # in-loop round times (last timed run) by the depth that ran (prompt lookup without a match: 0)
+            round_ms = {d: 1e3 * statistics.median(v) for d, v in sorted(times.items())}
             rows.append({"workload": name, **(extra or {}), "batch": B, "method": method, "gamma": g,
                          "tokens_per_s": results[method], "runs": tps[method], "new_tokens": tokens,
-                         "tokens_per_row_round": tokens / max(rounds, 1) / B, "depths": hist, "equal_to_off": equal})
+                         "tokens_per_row_round": tokens / max(rounds, 1) / B, "depths": hist,
+                         "round_ms_median": round_ms, "equal_to_off": equal})
+            if method == "auto":  # what auto learned: in-loop cost / cost curve, per depth (0 first)
+                rows[-1]["cost_factors"] = dict(zip(fast.policy.depths, fast.policy.cost_factors(B).tolist()))
+                rows[-1]["modelled_round_ms"] = dict(zip(fast.policy.depths,
+                                                         [1e3 * fast.policy.cost.round_cost(d, B) for d in fast.policy.depths]))
             say(f"{name} B={B} {method}: {results[method]:.1f} tok/s, {rows[-1]['tokens_per_row_round']:.2f} "
-                f"per row per round, depths {dict(sorted(hist.items()))}, equal={equal}")
+                f"per row per round, depths {dict(sorted(hist.items()))}, round ms "
+                f"{ {d: round(t, 1) for d, t in round_ms.items()} }, equal={equal}")
         best_fixed = max(results[f"gamma={g}"] for g in gammas)
         for r in rows[-len(methods):]:
             r["ratio_vs_off"] = r["tokens_per_s"] / results["off"]

@@ -1,0 +1,29 @@
+"""benchmarks/batch_bench.py --smoke end to end (tiny random models, eager): the script runs, every
+method's greedy output equals speculation off, and the JSON carries what the closing notes quote
+(throughput per method, auto's ratios, in-loop round times and auto's learned cost factors)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
+
+
+def test_batch_bench_smoke_writes_equal_outputs_and_the_figures(tmp_path):
+    import batch_bench
+
+    out = tmp_path / "batch.json"
+    assert batch_bench.main(["--smoke", "--models", "smollm2", "--gammas", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {r["batch"] for r in rows} == {1, 2} and {r["method"] for r in rows} == {"off", "gamma=2", "auto"}
+    assert all(r["equal_to_off"] and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["round_ms_median"] for r in rows)  # every method timed its rounds in the loop
+    auto = [r for r in rows if r["method"] == "auto"]
+    assert all(set(r["cost_factors"]) == {"0", "2"} and all(f > 0 for f in r["cost_factors"].values()) for r in auto)
+    assert [s["batch"] for s in data["summary"]] == [1, 2]
