@@ -227,7 +227,7 @@ class AutoDepth(DepthPolicy):
         """The last call's round times join the per-(batch, depth) ratios to the cost model."""
         if self.last_batch is None or not self.learn_cost:
             return
-        model = {d: self.cost.round_cost(d, self.last_batch) for d in self.depths}
+        model = dict(zip(self.depths, self.model_cost))  # the curve that call ran with, from its _reset
         per = self.timed.setdefault(self.last_batch, {})
         for d, sec in self.round_times:
             if d in model and model[d] > 0:
