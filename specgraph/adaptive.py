@@ -23,8 +23,8 @@ over the set is chosen for the whole batch (one graph per round), where round_co
 measured cost curve plus the draft's cost (:class:`specgraph.perfmodel.CostModel`), or a
 conservative built-in curve (:class:`specgraph.perfmodel.LinearCost`) when no plan is given,
 corrected by what rounds really cost in the loop: every round's wall time (one choice to the
-next: drafting, the graph, the host sync and the bookkeeping) is kept per (batch bucket, depth) as
-a ratio to the curve, and from the next call on each depth's cost is the curve times the median
+next: drafting, the graph, the host sync and the bookkeeping; not a round that compiled or loaded
+a graph) is kept per (batch bucket, depth) as a ratio to the curve, and from the next call on each depth's cost is the curve times the median
 ratio at that depth (a depth not yet timed borrows the nearest timed drafted depth's, else the
 plain one's). Graph calls timed in isolation miss the drafting and the loop around them: session
 9 measured rounds at depth 2 and B = 16 at the cost of a plain step in isolation but 17% dearer in
@@ -77,7 +77,7 @@ class DepthPolicy:
         self.trace: list[int] = []  # the depth chosen for each round of the last call
         self.round_times: list[tuple[int, float]] = []  # (depth run, seconds) per timed round of the last call
         self.clock = time.perf_counter
-        self._t_prev = self._k_prev = None
+        self._t_prev = self._k_prev = self._graphs_prev = None
 
     # generation-loop hooks --------------------------------------------------------------------
 
@@ -88,15 +88,18 @@ class DepthPolicy:
         # prompt tokens but the last (the first root)
         self._draft_valid = [len(r) - 2 for r in rows] if fast.draft == "model" else None
         self._reset(len(rows), batch)
-        self.round_times, self._t_prev, self._k_prev = [], None, None
+        self.round_times, self._t_prev, self._k_prev, self._graphs_prev = [], None, None, None
 
     def choose(self, done: list[bool], L_host: list[int], hist: torch.Tensor) -> int:
         # a round runs from one choice to the next: the choice itself, any draft catch-up, the
-        # drafting, the graph, the host sync and the loop's bookkeeping (the last round is not timed)
-        now = self.clock()
-        if self._k_prev is not None:
+        # drafting, the graph, the host sync and the loop's bookkeeping (the last round is not timed).
+        # A round that built or loaded a graph (a new attended width, say) is not timed either: its
+        # seconds are the compile's (session 11: a warm-up call's compiles priced depth 2 at 2.3x
+        # the curve at B=2 and kept auto plain for every later call while depth 4 ran 2x faster)
+        now, graphs = self.clock(), self._graph_count()
+        if self._k_prev is not None and graphs == self._graphs_prev:
             self.round_times.append((self._k_prev, now - self._t_prev))
-        self._t_prev, self._k_prev = now, None
+        self._t_prev, self._k_prev, self._graphs_prev = now, None, graphs
         live = [not d for d in done[: self.n_rows]]
         k = self._decide(live) if any(live) else 0
         self.trace.append(k)
@@ -119,6 +122,14 @@ class DepthPolicy:
                 if live[b]:
                     self._draft_valid[b] = L_host[b] + min(n_emitted[b] - 1, k - 1)
         self._update(k, n_emitted[: self.n_rows], live)
+
+    def _graph_count(self) -> int:
+        """How many graphs the compiled object holds (built on first use, or loaded from a
+        compiled directory): it grows in the rounds that paid for a compile or a load. Eager
+        objects build plain functions, which cost nothing: 0."""
+        if getattr(self.fast, "backend", None) == "eager":
+            return 0
+        return len(getattr(self.fast, "_fns", ()))
 
     # subclass hooks ---------------------------------------------------------------------------
 

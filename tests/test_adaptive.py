@@ -241,17 +241,21 @@ class FakeClock:
         return self.t
 
 
-def simulate_calls(pol, real_cost, n_calls=2, rounds=40, emitted=2):
+def simulate_calls(pol, real_cost, n_calls=2, rounds=40, emitted=2, compiles=()):
     """Runs ``pol`` through ``n_calls`` calls of ``rounds`` rounds on one row that accepts the first
-    draft of every round and nothing after it; each round takes real_cost[depth run] on the clock."""
-    fake = SimpleNamespace(draft="ngram")
+    draft of every round and nothing after it; each round takes real_cost[depth run] on the clock.
+    Rounds (call, round) in ``compiles`` also build a graph, which takes 100 s more."""
+    fake = SimpleNamespace(draft="ngram", backend="inductor", _fns={})
     pol.clock = clock = FakeClock()
     traces = []
-    for _ in range(n_calls):
+    for c in range(n_calls):
         pol.start(fake, [[1, 2, 3]], 1, "cpu")
-        for _ in range(rounds):
+        for r in range(rounds):
             k = pol.choose([False], [2], None)
             clock.t += real_cost[k]
+            if (c, r) in compiles:
+                fake._fns[(c, r)] = None
+                clock.t += 100.0
             pol.observe(k, [min(emitted, k + 1)], [False], [2])
         traces.append(list(pol.trace))
     return traces
@@ -280,6 +284,23 @@ def test_round_costs_learned_in_the_loop_turn_off_drafts_the_cost_model_thinks_f
     assert all(k > 0 for k in blind[1]), blind
     pol.forget()  # drops the times too
     assert pol.cost_factors(1).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_rounds_that_build_a_graph_are_not_timed():
+    """A compile inside a round (a new attended width, a graph's first use) says nothing about what
+    the round costs. The case of session 11's B=2 run: drafts pay in the loop, and the first call's
+    few drafted rounds mostly compile (100 s each). Auto makes the same choices as without the
+    compiles (drafting all through the second call; timing them priced drafts out for good), and
+    the compiling rounds are left out of round_times."""
+    real = {0: 1.0, 2: 1.05, 4: 1.1}
+    clean = simulate_calls(AutoDepth([2, 4], CostModel(LinearCost(1.0, 1.0))), real)
+    drafted = [r for r, k in enumerate(clean[0]) if k > 0]
+    compiles = {(0, r) for r in drafted[:5]} | {(1, 0), (1, 7), (1, 30)}
+    pol = AutoDepth([2, 4], CostModel(LinearCost(1.0, 1.0)))
+    assert simulate_calls(pol, real, compiles=compiles) == clean and all(k > 0 for k in clean[1])
+    timed = [r for r in range(39) if (1, r) not in compiles]  # the last round is never timed
+    assert len(pol.round_times) == len(timed) == 36
+    assert [t for _, t in pol.round_times] == pytest.approx([real[clean[1][r]] for r in timed])
 
 
 def test_round_costs_learned_in_the_loop_keep_drafts_that_pay():
