@@ -94,8 +94,8 @@ class DepthPolicy:
         # a round runs from one choice to the next: the choice itself, any draft catch-up, the
         # drafting, the graph, the host sync and the loop's bookkeeping (the last round is not timed).
         # A round that built or loaded a graph (a new attended width, say) is not timed either: its
-        # seconds are the compile's (session 11: a warm-up call's compiles priced depth 2 at 2.3x
-        # the curve at B=2 and kept auto plain for every later call while depth 4 ran 2x faster)
+        # seconds are the compile's (a frozen SmolLM2 graph compiles for 60-130 s on this CPU, and a
+        # few such rounds among a bucket's kept times would price a depth out for good)
         now, graphs = self.clock(), self._graph_count()
         if self._k_prev is not None and graphs == self._graphs_prev:
             self.round_times.append((self._k_prev, now - self._t_prev))

@@ -288,10 +288,10 @@ def test_round_costs_learned_in_the_loop_turn_off_drafts_the_cost_model_thinks_f
 
 def test_rounds_that_build_a_graph_are_not_timed():
     """A compile inside a round (a new attended width, a graph's first use) says nothing about what
-    the round costs. The case of session 11's B=2 run: drafts pay in the loop, and the first call's
-    few drafted rounds mostly compile (100 s each). Auto makes the same choices as without the
-    compiles (drafting all through the second call; timing them priced drafts out for good), and
-    the compiling rounds are left out of round_times."""
+    the round costs. Drafts pay in the loop, and the first call's few drafted rounds mostly compile
+    (100 s each). Auto makes the same choices as without the compiles (drafting all through the
+    second call; timing them priced drafts out for good), and the compiling rounds are left out of
+    round_times."""
     real = {0: 1.0, 2: 1.05, 4: 1.1}
     clean = simulate_calls(AutoDepth([2, 4], CostModel(LinearCost(1.0, 1.0))), real)
     drafted = [r for r, k in enumerate(clean[0]) if k > 0]
