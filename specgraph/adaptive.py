@@ -30,8 +30,8 @@ borrows the nearest timed drafted depth's, else the plain one's). Graph calls ti
 isolation miss the drafting and the loop around them: session 9 measured rounds at depth 2 and
 B = 16 at the cost of a plain step in isolation but 17% dearer in the loop, and "auto" drafted
 where plain decoding won. So that drafted rounds are compared with plain rounds timed alike,
-the first ``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must beat plain decoding by ``margin`` to be chosen. While speculation is off nothing is
-observed, so the policy re-probes on a fixed schedule: after ``probe_every`` plain rounds it runs
+the first ``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must beat plain
+decoding by ``margin`` to be chosen. While speculation is off nothing is observed, so the policy re-probes on a fixed schedule: after ``probe_every`` plain rounds it runs
 one round at the smallest depth, doubling the wait after each probe that does not switch
 speculation back on (up to ``probe_max``) and resetting it once it does; the schedule carries
 over from one call to the next at the same batch bucket. Within a call the choices are a
