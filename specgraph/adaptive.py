@@ -24,9 +24,14 @@ measured cost curve plus the draft's cost (:class:`specgraph.perfmodel.CostModel
 conservative built-in curve (:class:`specgraph.perfmodel.LinearCost`) when no plan is given,
 corrected by what rounds really cost in the loop: every round's wall time (one choice to the next:
 drafting, the graph, the host sync and the bookkeeping; not a round that compiled or loaded a
-graph) is kept per (batch bucket, depth) as a ratio to the curve, and from the next call on each
-depth's cost is the curve times the median ratio at that depth (a depth not yet timed borrows the
-nearest timed drafted depth's, else the plain one's). Graph calls timed in isolation miss the
+graph) is kept per (batch bucket, depth) as a ratio to the curve, a drafted round's divided by that
+of the plain rounds run nearest it, and from the next call on plain rounds cost the curve times
+their median ratio and a drafted depth that times its median relative ratio (a depth not yet timed
+borrows the nearest timed drafted depth's, else none). Only costs relative to plain decoding decide
+a round, and a shared host's speed drifts 2x within minutes: session 11 priced depth 2 at B = 2 at
+2.27x its curve and stayed plain, while on a quiet host (session 12) the same rounds cost 1.27x a
+plain one with no cost for switching graphs, so most likely its few probes ran in slow stretches
+and were compared with plain rounds from quiet ones. Graph calls timed in isolation miss the
 drafting and the loop around them: session 9 measured rounds at depth 2 and B = 16 at the cost of a
 plain step in isolation but 17% dearer in the loop, and "auto" drafted where plain decoding won. So
 that drafted rounds are compared with plain rounds timed alike, the first ``COST_MIN_PLAIN`` rounds
@@ -63,6 +68,7 @@ PROBE_MAX = 64  # the longest wait between re-probes
 MARGIN = 0.02  # a depth must be predicted >= 2% faster than plain decoding
 COST_KEEP = 16  # the latest timed rounds kept per (batch bucket, depth)
 COST_MIN_PLAIN = 3  # plain rounds timed at a batch bucket before drafted ones are judged against them
+COST_NEIGHBOURS = 4  # plain rounds, nearest in the call, a drafted round's time is taken relative to
 AUTO_DRAFTS = ("ngram", "suffix", "model", "custom")
 
 
@@ -235,29 +241,41 @@ class AutoDepth(DepthPolicy):
         self.plain_timed = len(self.timed.get(batch, {}).get(0, ()))
 
     def _fold_round_times(self) -> None:
-        """The last call's round times join the per-(batch, depth) ratios to the cost model."""
+        """The last call's round times join the per-(batch, depth) ratios to the cost model: plain
+        rounds as seconds / modelled cost, drafted rounds as that ratio divided by the one of the
+        plain rounds run nearest them in the call (:data:`COST_NEIGHBOURS`), so a drafted depth's
+        factor says what it costs relative to plain decoding at the same stretch of host speed."""
         if self.last_batch is None or not self.learn_cost:
             return
         model = dict(zip(self.depths, self.model_cost))  # the curve that call ran with, from its _reset
+        ratios = [(i, d, sec / model[d]) for i, (d, sec) in enumerate(self.round_times) if d in model and model[d] > 0]
+        plain = [(i, r) for i, d, r in ratios if d == 0]
         per = self.timed.setdefault(self.last_batch, {})
-        for d, sec in self.round_times:
-            if d in model and model[d] > 0:
-                per[d] = (per.get(d, []) + [sec / model[d]])[-COST_KEEP:]
+        before = float(np.median(per[0])) if per.get(0) else 1.0  # a call that ran no plain round
+        for i, d, r in ratios:
+            if d > 0:
+                near = sorted(plain, key=lambda p: (abs(p[0] - i), p[0]))[:COST_NEIGHBOURS]
+                r /= float(np.median([q for _, q in near])) if near else before
+            per[d] = (per.get(d, []) + [r])[-COST_KEEP:]
 
     def cost_factors(self, batch: int) -> np.ndarray:
-        """[len(depths)] measured in-loop cost / modelled cost at each depth for ``batch`` (median
-        of the latest timed rounds); untimed drafted depths borrow the nearest timed drafted depth's
-        factor, else the plain one's, else 1."""
+        """[len(depths)] measured in-loop cost / modelled cost at each depth for ``batch``: plain,
+        the median of its latest timed rounds' ratios (else 1); a drafted depth, that times the
+        median of its rounds' ratios relative to their neighbouring plain rounds; an untimed drafted
+        depth borrows the nearest timed drafted depth's relative ratio, else none (the plain factor)."""
         per = {d: float(np.median(v)) for d, v in self.timed.get(batch, {}).items() if v}
+        plain = per.get(0, 1.0)
         drafted = [d for d in per if d > 0]
         out = []
         for d in self.depths:
-            if d in per:
-                out.append(per[d])
-            elif d > 0 and drafted:
-                out.append(per[min(drafted, key=lambda e: (abs(e - d), e))])
+            if d == 0:
+                out.append(plain)
+            elif d in per:
+                out.append(plain * per[d])
+            elif drafted:
+                out.append(plain * per[min(drafted, key=lambda e: (abs(e - d), e))])
             else:
-                out.append(per.get(0, 1.0))
+                out.append(plain)
         return np.array(out)
 
     def acceptance(self) -> np.ndarray:

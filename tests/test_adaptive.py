@@ -303,6 +303,21 @@ def test_rounds_that_build_a_graph_are_not_timed():
     assert [t for _, t in pol.round_times] == pytest.approx([real[clean[1][r]] for r in timed])
 
 
+def test_drafted_round_times_are_taken_relative_to_nearby_plain_rounds():
+    """The host slows 2.5x for a stretch of a call, and the two probes at depth 2 (1.04x a plain
+    round at any speed) fall in it. Against the call's median plain round they read 2.6x and would
+    price depth 2 out; against the plain rounds run around them they read 1.04x."""
+    pol = AutoDepth([2, 4], CostModel(LinearCost(1.0, 0.0)))  # every depth modelled at 1
+    pol._reset(1, 1)
+    slow = [(0, 2.5), (2, 2.6), (0, 2.5), (0, 2.5), (2, 2.6), (0, 2.5)]
+    pol.round_times = [(0, 1.0)] * 6 + slow + [(0, 1.0)] * 6
+    pol._reset(1, 1)  # the next call folds them in
+    assert pol.cost_factors(1).tolist() == pytest.approx([1.0, 1.04, 1.04])
+    pol.round_times = [(4, 1.1)] * 3  # a call that only drafted: relative to the bucket's plain factor
+    pol._reset(1, 1)
+    assert pol.cost_factors(1).tolist() == pytest.approx([1.0, 1.04, 1.1])
+
+
 def test_round_costs_learned_in_the_loop_keep_drafts_that_pay():
     """The mirror case: the model prices drafts dear (per-token cost 1), the loop finds them
     nearly free; from the second call auto drafts where the model kept it off."""
