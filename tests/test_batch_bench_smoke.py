@@ -1,6 +1,7 @@
 """benchmarks/batch_bench.py --smoke end to end (tiny random models, eager): the script runs, every
 method's greedy output equals speculation off, and the JSON carries what the closing notes quote
-(throughput per method, auto's ratios, in-loop round times and auto's learned cost factors)."""
+(throughput per method, auto's ratios, in-loop round times, auto's learned cost factors and its
+share of rounds at the fastest method's depth)."""
 from __future__ import annotations
 
 import json
@@ -27,3 +28,7 @@ def test_batch_bench_smoke_writes_equal_outputs_and_the_figures(tmp_path):
     auto = [r for r in rows if r["method"] == "auto"]
     assert all(set(r["cost_factors"]) == {"0", "2"} and all(f > 0 for f in r["cost_factors"].values()) for r in auto)
     assert [s["batch"] for s in data["summary"]] == [1, 2]
+    for s in data["summary"]:  # auto's share of rounds at the fastest method's depth, from its histogram
+        best = next(r for r in rows if r["batch"] == s["batch"] and r["method"] == s["best_method"])
+        ran = next(r["depths"] for r in auto if r["batch"] == s["batch"])
+        assert s["auto_share_at_best_depth"] == pytest.approx(ran.get(str(best["gamma"]), 0) / sum(ran.values()))
