@@ -244,11 +244,11 @@ def measure_round_costs(fast, batch_sizes, grid, context: int, repeats: int = 5,
     (depth N - 1, random drafts) with ``context`` committed tokens per row, at each B.
 
     Every shape is built (compiled, or loaded) and called ``warmup`` more times before any is timed,
-    then the timed calls go round the shapes in turn, ``repeats`` times. Timing each shape's calls
-    right after its compile measured the compile's wake, not the graph: on this 2-core host
-    (session 11, SmolLM2 frozen) B=1 N=1 read 155 ms against 78 ms for N=3 and 65 ms in the loop,
-    and B=16 N=1 423 ms against 207 ms for B=32; a slow stretch of a shared host now spreads over
-    every shape instead of landing on one."""
+    then the timed calls go round the shapes in turn, ``repeats`` times. Timed right after its own
+    compile, each shape gave a curve that contradicted itself on this 2-core host (session 11,
+    SmolLM2 frozen: B=1 N=1 155 ms against 78 ms for N=3 and 65 ms in the loop; B=16 N=1 423 ms
+    against 207 ms for B=32); built first and timed in turn it came out monotone in N (session 12),
+    and a slow stretch of a shared host spreads over every shape instead of landing on one."""
     from specgraph.compiler import attend_width
     from specgraph.warping import SamplingParams
 

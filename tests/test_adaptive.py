@@ -559,3 +559,32 @@ def test_cli_plan_on_a_tiny_local_model(llama, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "specgraph.cli", "plan", str(d), "--grid", "0,2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--grid" in bad.stderr
+
+
+def test_cost_curve_builds_every_shape_before_timing_them_in_turn():
+    """measure_round_costs: each shape is built and warmed (its first call plus ``warmup``) before
+    any timed call, then the timed calls go round the shapes ``repeats`` times; one sample per
+    timed call."""
+    from specgraph.planner import measure_round_costs
+
+    log = []
+
+    class Fake:  # the parts of a compiled object the cost curve touches
+        model = torch.nn.Linear(4, 8)
+        model.get_output_embeddings = lambda: Fake.model
+        slots, min_attend = 64, None
+
+        def _cache(self, B):
+            return ()
+
+        def _round_fn(self, B, params, width, k):
+            log.append(("build", B, k + 1))
+            return lambda *args: log.append(("call", B, k + 1))
+
+    samples = measure_round_costs(Fake(), [1, 2], [1, 3], context=8, repeats=2, progress=False, warmup=1)
+    shapes = [(1, 1), (1, 3), (2, 1), (2, 3)]
+    built = [("build", *s) for s in shapes]
+    warm = [e for s in shapes for e in (("build", *s), ("call", *s), ("call", *s))]
+    assert log[: len(warm)] == warm and [e for e in log if e[0] == "build"] == built
+    assert log[len(warm):] == [("call", *s) for s in shapes] * 2  # timed in turn, after every build
+    assert sorted((B, N) for B, N, _ in samples) == sorted(shapes * 2) and all(t >= 0 for *_, t in samples)
