@@ -140,8 +140,8 @@ def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
         tps, last = {m: [] for m, _ in methods}, {}
         for run in range(args.runs):
             # each run starts one method further on: with a fixed order auto always ran right after the
-            # deepest γ (session 12: its plain rounds read up to 2x off's for the same graph at B >= 8;
-            # whether the order is why is not known, but it must not decide it)
+            # deepest γ, and on a drifting host its plain rounds read up to 2x off's for the same graph
+            # (session 12, B >= 8; rotated, the same run read them at or below off's)
             for method, g in methods[run % len(methods):] + methods[: run % len(methods)]:
                 t0 = time.perf_counter()
                 last[method] = run_batches(fast, batches, args.max_new_tokens, pad, _kind(method), g)
