@@ -266,17 +266,13 @@ class AutoDepth(DepthPolicy):
         per = {d: float(np.median(v)) for d, v in self.timed.get(batch, {}).items() if v}
         plain = per.get(0, 1.0)
         drafted = [d for d in per if d > 0]
-        out = []
-        for d in self.depths:
-            if d == 0:
-                out.append(plain)
-            elif d in per:
-                out.append(plain * per[d])
-            elif drafted:
-                out.append(plain * per[min(drafted, key=lambda e: (abs(e - d), e))])
-            else:
-                out.append(plain)
-        return np.array(out)
+
+        def relative(d):
+            if d == 0 or not drafted:
+                return 1.0
+            return per[d] if d in per else per[min(drafted, key=lambda e: (abs(e - d), e))]
+
+        return np.array([plain * relative(d) for d in self.depths])
 
     def acceptance(self) -> np.ndarray:
         """[rows, K] estimated acceptance of draft j + 1 given drafts 1..j were accepted."""

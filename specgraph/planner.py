@@ -201,20 +201,19 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device, repeats):
-    """(first call's seconds: the compile, [seconds of each of ``repeats`` later calls])."""
+def _call_seconds(fn, device) -> float:
+    """Seconds of one call of ``fn``, its device work included."""
     _sync(device)
     t0 = time.perf_counter()
     fn()
     _sync(device)
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return first, times
+    return time.perf_counter() - t0
+
+
+def _timed(fn, device, repeats):
+    """(first call's seconds: the compile, [seconds of each of ``repeats`` later calls])."""
+    first = _call_seconds(fn, device)
+    return first, [_call_seconds(fn, device) for _ in range(repeats)]
 
 
 def _rows(prompts) -> list[list[int]]:
@@ -276,11 +275,7 @@ def measure_round_costs(fast, batch_sizes, grid, context: int, repeats: int = 5,
     times = {key: [] for key in calls}
     for _ in range(repeats):
         for key, call in calls.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            call()
-            _sync(device)
-            times[key].append(time.perf_counter() - t0)
+            times[key].append(_call_seconds(call, device))
     for (B, N), ts in times.items():
         _say(progress, f"cost B={B} N={N}: {1e3 * statistics.median(ts):.2f} ms")
     return [(B, N, t) for (B, N), ts in times.items() for t in ts]
