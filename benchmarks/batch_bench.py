@@ -19,8 +19,10 @@ pins the depth for "off" and "γ=k"); "auto" chooses among the fixed depths and 
 model measured on that object first (``specgraph.planner.measure_cost_model``; acceptance is
 learned online; like a serving object, "auto" keeps what earlier calls observed, so its warm-up
 call teaches the timed ones the workload's acceptance). Throughput = new tokens summed over the
-batch / wall time, median of --runs after a warm-up run of every method (which compiles); the
-timed runs go round the methods in turn, each run starting one method further on.
+batch / wall time (the eager prompt prefill included), median of --runs after a warm-up run of
+every method (which compiles); each timed run goes round the methods in its own seeded random
+order. The summary adds auto's paired ratio (median over runs of auto's throughput over the
+fastest method's in the same run) and its share of rounds at that method's depth.
 Every method's output is checked against "off" (greedy: equal).
 
 Targets (issue 6): auto >= 0.95 x max(off, best fixed γ) at every B; auto >= 0.90 x best fixed γ at B = 1.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -139,10 +142,10 @@ def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
             say(f"{name} B={B} {method}: warm-up {time.perf_counter() - t0:.1f} s")
         tps, last = {m: [] for m, _ in methods}, {}
         for run in range(args.runs):
-            # each run starts one method further on: with a fixed order auto always ran right after the
-            # deepest γ, and on a drifting host its plain rounds read up to 2x off's for the same graph
-            # (session 12, B >= 8; rotated, the same run read them at or below off's)
-            for method, g in methods[run % len(methods):] + methods[: run % len(methods)]:
+            # each run goes round the methods in its own (seeded) order: with a fixed order auto always
+            # ran right after the deepest γ, and on a drifting host its plain rounds read up to 2x
+            # off's for the same graph (session 12, B >= 8); a rotation keeps those neighbours
+            for method, g in random.Random(run).sample(methods, len(methods)):
                 t0 = time.perf_counter()
                 last[method] = run_batches(fast, batches, args.max_new_tokens, pad, _kind(method), g)
                 tps[method].append(last[method][1] / (time.perf_counter() - t0))
@@ -183,9 +186,12 @@ def summary(rows) -> list[dict]:
         same = [q for q in rows if q["workload"] == r["workload"] and q["batch"] == r["batch"] and q["method"] != "auto"]
         best = max(same, key=lambda q: q["tokens_per_s"])
         ran = {int(d): n for d, n in r["depths"].items()}
+        # run by run, auto against the fastest method's run of the same round of methods (adjacent in
+        # time under the rotated order): the host's drift between rounds of methods cancels
+        paired = statistics.median(a / b for a, b in zip(r["runs"], best["runs"]))
         out.append({"workload": r["workload"], "batch": r["batch"], "auto_vs_best": r["auto_vs_best_of_off_and_fixed"],
                     "auto_vs_best_fixed": r["auto_vs_best_fixed"], "meets_targets": bool(ok_any and ok_b1),
-                    "best_method": best["method"], "auto_depths": ran,
+                    "best_method": best["method"], "auto_vs_best_paired": paired, "auto_depths": ran,
                     "auto_share_at_best_depth": ran.get(best["gamma"], 0) / max(sum(ran.values()), 1)})
     return out
 
@@ -307,11 +313,11 @@ def main(argv=None) -> int:
             ap.error(f"unknown model family {fam!r} (smollm2, smollm2-draft6L, llama1b)")
     summ = summary(rows)
     print(f"\n{'workload':<24} {'B':>3} {'off':>8} " + " ".join(f"{'γ=' + str(g):>8}" for g in gammas)
-          + f" {'auto':>8} {'auto/best':>10}  {'best':>8} {'auto at its depth':>17}")
+          + f" {'auto':>8} {'auto/best':>10}  {'best':>8} {'paired':>7} {'auto at its depth':>17}")
     for s in summ:
         sub = {r["method"]: r["tokens_per_s"] for r in rows if r["workload"] == s["workload"] and r["batch"] == s["batch"]}
         print(f"{s['workload']:<24} {s['batch']:>3} {sub['off']:8.1f} " + " ".join(f"{sub[f'gamma={g}']:8.1f}" for g in gammas)
-              + f" {sub['auto']:8.1f} {s['auto_vs_best']:9.2f}x  {s['best_method']:>8} {s['auto_share_at_best_depth']:16.0%}"
+              + f" {sub['auto']:8.1f} {s['auto_vs_best']:9.2f}x  {s['best_method']:>8} {s['auto_vs_best_paired']:6.2f}x {s['auto_share_at_best_depth']:16.0%}"
               + ("" if s["meets_targets"] else "  (target missed)"))
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "backend": backend, "freeze": args.freeze,
             "autotune": args.autotune,

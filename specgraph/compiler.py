@@ -122,7 +122,7 @@ def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None, hidden=
     """Prompt tokens into the cache: query (b, j) at position pos[b, j] sees the slots in
     [start, pos] (start = 0: the whole prompt so far); invalid columns write to the scratch slot.
     ids, pos [B, C] long, valid [B, C] bool, start [B] long or None -> logits [B, C, V] (``hidden=True``:
-    and the final features [B, C, H])."""
+    and the final features [B, C, H]; a step built with ``all_logits=False``: [B, 1, V] and None)."""
     if start is None:
         start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
     mask = _step_mask(start, pos, valid, slots, window).to(kv[0].dtype)
@@ -504,8 +504,10 @@ class SpecGraphModel:
             warnings.warn(f"specgraph: cannot rewrite this model ({e}); falling back to the eager path", stacklevel=3)
         self.window = _sliding_window(model)
         self.draft_window = None if draft_model is None else _sliding_window(draft_model)
-        self._eager_step = Step(model)
-        self._eager_draft_step = None if draft_model is None else Step(draft_model)
+        self._eager_step = Step(model)  # a head drafter's prefill: it reads the prompt's features
+        # prefills and the draft's catch-up only write the cache: no [B, P, V] logits
+        self._fill_step = Step(model, all_logits=False)
+        self._eager_draft_step = None if draft_model is None else Step(draft_model, all_logits=False)
         self._steps: dict = {}
         self._fns: dict = {}
         self._prefill_graph = None
@@ -1143,7 +1145,8 @@ class SpecGraphModel:
         Runs the unmodified model eagerly through :class:`specgraph.capture.Step` with the same
         tensor-backed cache: one call for any prompt length, no compile per prompt shape, and the
         same kernels HF's own prefill uses (or the target's prefill graph given to
-        :meth:`use_graphs`). Padding positions write to the scratch slot. Returns the target's
+        :meth:`use_graphs`). Padding positions write to slot P, one past the prompts' (the eager step
+        attends slots 0..P only). Returns the target's
         (logits, final features) when a head drafter needs the features, else None.
         """
         P = max(len(r) for r in rows) - 1
@@ -1158,12 +1161,19 @@ class SpecGraphModel:
         pos = torch.arange(P, device=device).expand(B, P).contiguous()
         if which == "target" and self._prefill_graph is not None:
             self._prefill_graph(ids, pos, valid, *kv)
-        elif which == "target" and self.learned is not None:
-            return prefill_logits(self._eager_step, ids, pos, valid, kv, self.slots, self.window, hidden=True)
-        elif which == "target":
-            prefill_logits(self._eager_step, ids, pos, valid, kv, self.slots, self.window)
+            return None
+        # the eager step attends the prompt's slots and one past them, where its padding columns
+        # write (no row has committed it: every row starts over here, and a round writes a slot
+        # before reading it), not the whole cache: 2048 slots by default for a ~100-token prompt
+        W = min(self.slots, P + 1)
+        part = [t[:, :, :W] for t in kv]
+        if which == "target" and self.learned is not None:
+            return prefill_logits(self._eager_step, ids, pos, valid, part, W, self.window, hidden=True)
+        if which == "target":
+            prefill_logits(self._fill_step, ids, pos, valid, part, W, self.window)
         else:
-            prefill_logits(self._eager_draft_step, ids, pos, valid, kv, self.slots, self.draft_window)
+            prefill_logits(self._eager_draft_step, ids, pos, valid, part, W, self.draft_window)
+        return None
 
 
 def compile(

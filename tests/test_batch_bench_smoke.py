@@ -1,7 +1,7 @@
 """benchmarks/batch_bench.py --smoke end to end (tiny random models, eager): the script runs, every
 method's greedy output equals speculation off, and the JSON carries what the closing notes quote
 (throughput per method, auto's ratios, in-loop round times, auto's learned cost factors and its
-share of rounds at the fastest method's depth)."""
+share of rounds at the fastest method's depth, and its run-by-run ratio to that method)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ def test_batch_bench_smoke_writes_equal_outputs_and_the_figures(tmp_path):
     import batch_bench
 
     out = tmp_path / "batch.json"
-    assert batch_bench.main(["--smoke", "--models", "smollm2", "--gammas", "2", "--out", str(out)]) == 0
+    assert batch_bench.main(["--smoke", "--models", "smollm2", "--gammas", "2", "--runs", "3", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert {r["batch"] for r in rows} == {1, 2} and {r["method"] for r in rows} == {"off", "gamma=2", "auto"}
@@ -32,3 +32,7 @@ def test_batch_bench_smoke_writes_equal_outputs_and_the_figures(tmp_path):
         best = next(r for r in rows if r["batch"] == s["batch"] and r["method"] == s["best_method"])
         ran = next(r["depths"] for r in auto if r["batch"] == s["batch"])
         assert s["auto_share_at_best_depth"] == pytest.approx(ran.get(str(best["gamma"]), 0) / sum(ran.values()))
+        # the paired ratio: auto's run i against the fastest method's run i (the same round of methods)
+        auto_runs = next(r["runs"] for r in auto if r["batch"] == s["batch"])
+        ratios = sorted(a / b for a, b in zip(auto_runs, best["runs"]))
+        assert s["auto_vs_best_paired"] == pytest.approx(ratios[len(ratios) // 2])

@@ -637,6 +637,38 @@ def test_use_graphs_serves_rounds_and_prefill_from_the_given_graphs(llama):
         fast.graph_key("draft", 1, sg_compiler.SamplingParams(0.0), 65, 0)
 
 
+def test_cache_fill_step_writes_the_same_cache_without_the_prompt_logits(llama):
+    """Prefill only writes the cache: the step it runs computes the last column's logits alone and
+    no features, and leaves every K/V entry exactly as the full step does."""
+    from specgraph.capture import Step
+
+    fast = specgraph.compile(llama, backend="eager", max_batch_size=2, max_seq_len=64)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [11, 12, 13, 0, 0]])
+    valid = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    pos = torch.arange(5).expand(2, 5).contiguous()
+    caches, outs = [], []
+    for step in (Step(llama), fast._fill_step):
+        kv = [torch.zeros_like(t) for t in fast._cache(2)]
+        with torch.no_grad():
+            outs.append(sg_compiler.prefill_logits(step, ids, pos, valid, kv, fast.slots, fast.window, hidden=True))
+        caches.append(kv)
+    assert all(torch.equal(a, b) for a, b in zip(*caches))
+    (full, feats), (last, none) = outs
+    assert full.shape[1] == 5 and last.shape[1] == 1 and none is None and feats.shape[:2] == (2, 5)
+    torch.testing.assert_close(last[:, 0], full[:, -1])
+    # the prompt prefill attends the prompt's slots and one scratch slot, not the whole cache: the
+    # prompt slots read as with the whole cache attended
+    rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
+    attended = []
+    step = fast._fill_step
+    fast._fill_step = lambda ids, pos, mask, slots, *kv: attended.append(mask.shape[-1]) or step(ids, pos, mask, slots, *kv)
+    kv = [torch.zeros_like(t) for t in fast._cache(2)]
+    fast._prefill(2, rows, kv, "cpu", "target")
+    assert attended == [6] and fast.slots > 6
+    for a, b in zip(kv, caches[0]):
+        torch.testing.assert_close(a[:, :, :5], b[:, :, :5])
+
+
 @pytest.mark.parametrize("tree, match", [
     ("dynamic", "draft='suffix'"), ("bushy", "list of paths"), ([(0,), (0,)], "duplicate"), ([(0, 0)], "prefix"),
     ([(0,), (9,)], "rank at most"),
