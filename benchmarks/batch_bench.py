@@ -186,8 +186,8 @@ def summary(rows) -> list[dict]:
         same = [q for q in rows if q["workload"] == r["workload"] and q["batch"] == r["batch"] and q["method"] != "auto"]
         best = max(same, key=lambda q: q["tokens_per_s"])
         ran = {int(d): n for d, n in r["depths"].items()}
-        # run by run, auto against the fastest method's run of the same round of methods (adjacent in
-        # time under the rotated order): the host's drift between rounds of methods cancels
+        # run by run, auto against the fastest method's run in the same round of methods (minutes
+        # apart at most): the host's drift between rounds of methods cancels
         paired = statistics.median(a / b for a, b in zip(r["runs"], best["runs"]))
         out.append({"workload": r["workload"], "batch": r["batch"], "auto_vs_best": r["auto_vs_best_of_off_and_fixed"],
                     "auto_vs_best_fixed": r["auto_vs_best_fixed"], "meets_targets": bool(ok_any and ok_b1),
