@@ -14,7 +14,13 @@ observations' own. Later calls on the same object start new rows from what earli
 instead: the rows' counts are pooled per position at the end of each call into a memory whose
 weight halves with every call, and while it holds at least one observation at a position its
 acceptance there is the new rows' prior (a serving object learns its workload's acceptance once,
-not once per request; session 8 measured a third of a 64-token call spent relearning it).
+not once per request; session 8 measured a third of a 64-token call spent relearning it). The
+memory pools each call's whole counts (not the rows' EWMA, which weighs a call's last rounds), and
+in a row's estimate it keeps the weight of up to ``pool_weight`` observations however many the row
+has made: a row's EWMA holds ~6, too few to place an acceptance near the break-even one on the
+right side (session 14: at B = 1 and 30% acceptance, where depth 2 paid from ~17%, three rejections
+in a row switched speculation off, and probes backing off to every 64 rounds rarely switched it
+back on: auto ran 0.78x of depth 2).
 Each round, the depth d maximising
 
     predicted tokens per second = Σ_rows E_row[emitted](d) / round_cost(d, B)
@@ -63,6 +69,7 @@ PRIOR_ACCEPT = 0.5  # first-position acceptance assumed for a new row without a 
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
 HALFLIFE = 4.0  # an observation's weight halves after this many newer ones at that position
 MEMORY_KEEP = 0.5  # the weight the pooled memory keeps with each later call
+POOL_WEIGHT = 4.0  # the most observations the pooled memory counts as in a row's estimate (it does not fade)
 PROBE_EVERY = 8  # plain rounds before the first re-probe
 PROBE_MAX = 64  # the longest wait between re-probes
 MARGIN = 0.02  # a depth must be predicted >= 2% faster than plain decoding
@@ -195,18 +202,19 @@ class AutoDepth(DepthPolicy):
 
     def __init__(self, depths, cost: CostModel, prior: AcceptanceProfile | None = None, *, halflife: float = HALFLIFE,
                  prior_weight: float = PRIOR_WEIGHT, probe_every: int = PROBE_EVERY, probe_max: int = PROBE_MAX,
-                 margin: float = MARGIN, learn_cost: bool = True):
+                 margin: float = MARGIN, learn_cost: bool = True, pool_weight: float = POOL_WEIGHT):
         super().__init__()
         pos = sorted({int(d) for d in depths if int(d) > 0})
         if not pos:
             raise ValueError(f"auto needs at least one positive depth, got {list(depths)}")
-        if probe_every < 1 or probe_max < probe_every or halflife <= 0 or prior_weight <= 0:
-            raise ValueError("need probe_max >= probe_every >= 1, halflife > 0 and prior_weight > 0")
+        if probe_every < 1 or probe_max < probe_every or halflife <= 0 or prior_weight <= 0 or pool_weight < 0:
+            raise ValueError("need probe_max >= probe_every >= 1, halflife > 0, prior_weight > 0 and pool_weight >= 0")
         self.depths = [0, *pos]
         self.cost = cost
         self.prior = PRIOR_ACCEPT if prior is None else prior.conditional(1) * prior.draft_rate
         self.decay = 0.5 ** (1.0 / halflife)
         self.prior_weight, self.probe_every, self.probe_max, self.margin = prior_weight, probe_every, probe_max, margin
+        self.pool_weight = pool_weight
         self.learn_cost = learn_cost
         self.forget()
 
@@ -216,20 +224,25 @@ class AutoDepth(DepthPolicy):
         K = self.depths[-1]
         self.mem_acc, self.mem_cnt = np.zeros(K), np.zeros(K)  # pooled decayed counts per position
         self.acc, self.cnt = np.zeros((0, K)), np.zeros((0, K))
+        self.seen_acc, self.seen_cnt = np.zeros(K), np.zeros(K)  # this call's counts per position, undecayed
         self.timed: dict[int, dict[int, list[float]]] = {}  # batch -> depth -> latest (seconds / modelled cost)
         self.probe_state: dict[int, tuple[int, int]] = {}  # batch -> (plain rounds since the last probe, wait)
         self.round_times, self.last_batch = [], None  # the bucket the last call (its times, its schedule) ran at
 
     def _reset(self, n_rows, batch):
         K = self.depths[-1]
-        # fold the previous call's rows into the memory (rows that never drafted add nothing)
-        self.mem_acc = MEMORY_KEEP * self.mem_acc + self.acc.sum(axis=0)
-        self.mem_cnt = MEMORY_KEEP * self.mem_cnt + self.cnt.sum(axis=0)
+        # fold the previous call's counts into the memory (rows that never drafted add nothing). Its
+        # whole counts, not the rows' EWMA: those weigh a call's last ~6 rounds, and a call that ends
+        # on a rejecting stretch read as the workload's acceptance (session 14: a replay draft at
+        # beta = 0.3 pooled to 0.09-0.13 and auto stayed off while depth 2 won by 12-15%)
+        self.mem_acc = MEMORY_KEEP * self.mem_acc + self.seen_acc
+        self.mem_cnt = MEMORY_KEEP * self.mem_cnt + self.seen_cnt
         self._fold_round_times()
         if self.last_batch is not None:
             self.probe_state[self.last_batch] = (self.off_rounds, self.wait)
         self.acc = np.zeros((n_rows, K))  # decayed count of accepted drafts at each position
         self.cnt = np.zeros((n_rows, K))  # decayed count of drafts that reached each position
+        self.seen_acc, self.seen_cnt = np.zeros(K), np.zeros(K)
         # one round's cost at each depth for this batch bucket (the padded rows run too)
         self.last_batch = batch
         self.model_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
@@ -285,8 +298,14 @@ class AutoDepth(DepthPolicy):
         alpha = np.empty_like(self.acc)
         prev = np.full(self.acc.shape[0], self.prior)
         for j in range(self.acc.shape[1]):
-            prior = prev if np.isnan(pooled[j]) else pooled[j]
-            alpha[:, j] = (self.acc[:, j] + pw[:, j] * prior) / (self.cnt[:, j] + pw[:, j])
+            if np.isnan(pooled[j]):
+                prior, w = prev, pw[:, j]
+            else:
+                # what the workload accepted over earlier calls keeps its weight (up to pool_weight
+                # observations): a row's EWMA holds ~6, and at B = 1 and 30% acceptance it alone
+                # reads below the ~17% that pays for depth 2 after any three rejections in a row
+                prior, w = pooled[j], np.maximum(pw[:, j], min(self.pool_weight, self.mem_cnt[j]))
+            alpha[:, j] = (self.acc[:, j] + w * prior) / (self.cnt[:, j] + w)
             prev = alpha[:, j]
         return alpha
 
@@ -332,6 +351,8 @@ class AutoDepth(DepthPolicy):
         hit = (j[None, :] < a[:, None]).astype(np.float64)
         self.acc = np.where(reached, self.decay * self.acc + hit, self.acc)
         self.cnt = np.where(reached, self.decay * self.cnt + 1.0, self.cnt)
+        self.seen_acc += (hit * reached).sum(axis=0)
+        self.seen_cnt += reached.sum(axis=0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -245,6 +245,8 @@ class ReplayDrafter(ChainDrafter):
     is accepted exactly when it is uncorrupted and all before it were, so acceptance per position is
     i.i.d. β whatever the depth: the corruption of position t of row b is drawn once per ``generate``
     call (seeded: ``seed`` and the row index) and does not depend on which rounds draft it.
+    ``seed`` is read at each call's start: set it between calls to draw new corruptions (one seed
+    for every call replays the same few draws per row, a sample too small to stand for β).
 
     ``continuations``: {prompt token tuple: greedy continuation token list}. Prompts must be known;
     past the end of a continuation the drafts repeat the root (rejected)."""
