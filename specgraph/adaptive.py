@@ -222,7 +222,7 @@ class AutoDepth(DepthPolicy):
         """Drop what earlier calls observed (acceptance and round times): the next call's rows
         start from the static prior and its costs from the cost model."""
         K = self.depths[-1]
-        self.mem_acc, self.mem_cnt = np.zeros(K), np.zeros(K)  # pooled decayed counts per position
+        self.mem_acc, self.mem_cnt = np.zeros(K), np.zeros(K)  # pooled counts per position, halved per call
         self.acc, self.cnt = np.zeros((0, K)), np.zeros((0, K))
         self.seen_acc, self.seen_cnt = np.zeros(K), np.zeros(K)  # this call's counts per position, undecayed
         self.timed: dict[int, dict[int, list[float]]] = {}  # batch -> depth -> latest (seconds / modelled cost)
