@@ -37,7 +37,9 @@ borrows the nearest timed drafted depth's, else none). Only costs relative to pl
 a round, and a shared host's speed drifts 2x within minutes: session 11 priced depth 2 at B = 2 at
 2.27x its curve and stayed plain, while on a quiet host (session 12) the same rounds cost 1.27x a
 plain one with no cost for switching graphs, so most likely its few probes ran in slow stretches
-and were compared with plain rounds from quiet ones. Graph calls timed in isolation miss the
+and were compared with plain rounds from quiet ones. So a drafted round is timed only when a plain
+round of the same call ran within ``COST_NEAR`` rounds of it, and a depth never costs less than a
+shallower one. Graph calls timed in isolation miss the
 drafting and the loop around them: session 9 measured rounds at depth 2 and B = 16 at the cost of a
 plain step in isolation but 17% dearer in the loop, and "auto" drafted where plain decoding won. So
 that drafted rounds are compared with plain rounds timed alike, the first ``COST_MIN_PLAIN`` rounds
@@ -76,6 +78,7 @@ MARGIN = 0.02  # a depth must be predicted >= 2% faster than plain decoding
 COST_KEEP = 16  # the latest timed rounds kept per (batch bucket, depth)
 COST_MIN_PLAIN = 3  # plain rounds timed at a batch bucket before drafted ones are judged against them
 COST_NEIGHBOURS = 4  # plain rounds, nearest in the call, a drafted round's time is taken relative to
+COST_NEAR = 4  # a drafted round is timed only if a plain round of its call ran at most this many rounds away
 AUTO_DRAFTS = ("ngram", "suffix", "model", "custom")
 
 
@@ -246,7 +249,9 @@ class AutoDepth(DepthPolicy):
         # one round's cost at each depth for this batch bucket (the padded rows run too)
         self.last_batch = batch
         self.model_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
-        self.round_cost = self.model_cost * self.cost_factors(batch)
+        # a deeper round does a superset of a shallower one's work: learned factors that priced a
+        # drafted depth below plain decoding (timing noise) had auto draft a useless draft for good
+        self.round_cost = np.maximum.accumulate(self.model_cost * self.cost_factors(batch))
         # the re-probe schedule goes on where the last call at this bucket left it: restarting it
         # at probe_every each call re-probed a draft that never pays 3-4 times per call (session 10,
         # B = 16: those probe rounds, each ~2-4 plain steps, cost auto 11%)
@@ -257,18 +262,24 @@ class AutoDepth(DepthPolicy):
         """The last call's round times join the per-(batch, depth) ratios to the cost model: plain
         rounds as seconds / modelled cost, drafted rounds as that ratio divided by the one of the
         plain rounds run nearest them in the call (:data:`COST_NEIGHBOURS`), so a drafted depth's
-        factor says what it costs relative to plain decoding at the same stretch of host speed."""
+        factor says what it costs relative to plain decoding at the same stretch of host speed. A
+        drafted round with no plain round within :data:`COST_NEAR` rounds of it is not timed: against
+        plain rounds from minutes before (or the bucket's old median) a slow stretch of drafted
+        rounds read as a dear depth, priced it out, and then only probes re-timed it (session 14:
+        1B, B = 1, depth 2 learned at 1.77x plain while it ran at 1.16x; simulated on a host slow
+        2.5x ~40% of the time, auto reached 0.85x of the best at beta = 0.5, 0.97x with this)."""
         if self.last_batch is None or not self.learn_cost:
             return
         model = dict(zip(self.depths, self.model_cost))  # the curve that call ran with, from its _reset
         ratios = [(i, d, sec / model[d]) for i, (d, sec) in enumerate(self.round_times) if d in model and model[d] > 0]
         plain = [(i, r) for i, d, r in ratios if d == 0]
         per = self.timed.setdefault(self.last_batch, {})
-        before = float(np.median(per[0])) if per.get(0) else 1.0  # a call that ran no plain round
         for i, d, r in ratios:
             if d > 0:
-                near = sorted(plain, key=lambda p: (abs(p[0] - i), p[0]))[:COST_NEIGHBOURS]
-                r /= float(np.median([q for _, q in near])) if near else before
+                near = sorted((p for p in plain if abs(p[0] - i) <= COST_NEAR), key=lambda p: (abs(p[0] - i), p[0]))
+                if not near:
+                    continue
+                r /= float(np.median([q for _, q in near[:COST_NEIGHBOURS]]))
             per[d] = (per.get(d, []) + [r])[-COST_KEEP:]
 
     def cost_factors(self, batch: int) -> np.ndarray:
