@@ -39,11 +39,10 @@ a round, and a shared host's speed drifts 2x within minutes: session 11 priced d
 plain one with no cost for switching graphs, so most likely its few probes ran in slow stretches
 and were compared with plain rounds from quiet ones. So a drafted round is timed only when a plain
 round of the same call ran within ``COST_NEAR`` rounds of it, and a depth never costs less than a
-shallower one. Graph calls timed in isolation miss the
-drafting and the loop around them: session 9 measured rounds at depth 2 and B = 16 at the cost of a
-plain step in isolation but 17% dearer in the loop, and "auto" drafted where plain decoding won. So
-that drafted rounds are compared with plain rounds timed alike, the first ``COST_MIN_PLAIN`` rounds
-at a batch bucket are plain. A depth must beat plain decoding by ``margin`` to be chosen. While
+shallower one. Graph calls timed in isolation miss the drafting and the loop around them: session 9
+measured rounds at depth 2 and B = 16 at the cost of a plain step in isolation but 17% dearer in the
+loop, and "auto" drafted where plain decoding won. So that drafted rounds are compared with plain
+rounds timed alike, the first ``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must beat plain decoding by ``margin`` to be chosen. While
 speculation is off nothing is observed, so the policy re-probes on a fixed schedule: after
 ``probe_every`` plain rounds it runs one round at the smallest depth, doubling the wait after each
 probe that does not switch speculation back on (up to ``probe_max``) and resetting it once it does;
