@@ -36,3 +36,36 @@ def test_batch_bench_smoke_writes_equal_outputs_and_the_figures(tmp_path):
         auto_runs = next(r["runs"] for r in auto if r["batch"] == s["batch"])
         ratios = sorted(a / b for a, b in zip(auto_runs, best["runs"]))
         assert s["auto_vs_best_paired"] == pytest.approx(ratios[len(ratios) // 2])
+
+
+class _RecordingFast:
+    """Stands in for a compiled object under auto: records the replay seed each ``generate`` call
+    starts with (the drafter reads it there)."""
+
+    def __init__(self, drafter):
+        from types import SimpleNamespace
+
+        self.chain_drafter, self.seeds = drafter, []
+        self.stats = SimpleNamespace(emitted=1, rounds=1)
+        self.policy = SimpleNamespace(trace=[0], round_times=[])
+
+    def generate(self, ids, **kw):
+        self.seeds.append(self.chain_drafter.seed)
+        return ids
+
+
+def test_run_batches_reseeds_the_replay_drafter_per_run_and_batch():
+    import batch_bench
+    import torch
+    from specgraph.drafters import ReplayDrafter
+
+    fast = _RecordingFast(ReplayDrafter({(5, 6): [7, 8]}, beta=0.5, vocab_size=16, seed=0))
+    batches = [(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long))] * 3
+    for run in (-1, 0, 1):  # warm-up, then two timed runs
+        batch_bench.run_batches(fast, batches, 2, 0, "auto", None, run)
+    warm, run0, run1 = fast.seeds[:3], fast.seeds[3:6], fast.seeds[6:]
+    # every batch of a run draws its own corruptions, and no run replays another's
+    assert all(len(set(s)) == 3 for s in (warm, run0, run1))
+    assert not set(warm) & set(run0) and not set(run0) & set(run1) and not set(warm) & set(run1)
+    batch_bench.run_batches(fast, batches, 2, 0, "auto", None, 0)  # the same run index replays its seeds
+    assert fast.seeds[9:] == run0
