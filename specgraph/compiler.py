@@ -1074,7 +1074,8 @@ class SpecGraphModel:
             else:
                 if self.tree is None:
                     if self.policy is not None:  # the depth of this round, for the whole batch
-                        self._k_now = self.policy.choose(done, L_host, hist)
+                        left = [max_new_tokens - len(new[b]) for b in range(n_rows)]
+                        self._k_now = self.policy.choose(done, L_host, hist, left)
                     k, drafts, draft_probs = self._propose(B, params, width, hist, L, root, active, generator, V, self._k_now)
                 else:  # tree mode and prompt lookup found nothing: a plain step
                     k, drafts, draft_probs = 0, hist[:, :0], None
