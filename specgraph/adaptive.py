@@ -25,25 +25,26 @@ Each round, the depth d maximising
 
     predicted tokens per second = Σ_rows E_row[emitted](d) / round_cost(d, B)
 
-(a row's emitted tokens capped at what its ``max_new_tokens`` leaves) over the set is chosen for
-the whole batch (one graph per round), where round_cost is the plan's measured cost curve plus
-the draft's cost (:class:`specgraph.perfmodel.CostModel`), or a conservative built-in curve
-(:class:`specgraph.perfmodel.LinearCost`) when no plan is given, corrected by what rounds really cost in the loop: every round's wall time (one choice to the next:
-drafting, the graph, the host sync and the bookkeeping; not a round that compiled or loaded a
-graph) is kept per (batch bucket, depth) as a ratio to the curve, a drafted round's divided by that
-of the plain rounds run nearest it, and from the next call on plain rounds cost the curve times
-their median ratio and a drafted depth that times its median relative ratio (a depth not yet timed
-borrows the nearest timed drafted depth's, else none). Only costs relative to plain decoding decide
-a round, and a shared host's speed drifts 2x within minutes: session 11 priced depth 2 at B = 2 at
-2.27x its curve and stayed plain, while on a quiet host (session 12) the same rounds cost 1.27x a
-plain one with no cost for switching graphs, so most likely its few probes ran in slow stretches
-and were compared with plain rounds from quiet ones. So a drafted round is timed only when a plain
-round of the same call ran within ``COST_NEAR`` rounds of it, and a depth never costs less than a
-shallower one. Graph calls timed in isolation miss the drafting and the loop around them: session 9
-measured rounds at depth 2 and B = 16 at the cost of a plain step in isolation but 17% dearer in the
-loop, and "auto" drafted where plain decoding won. So that drafted rounds are compared with plain
-rounds timed alike, the first ``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must beat plain decoding by ``margin`` to be chosen. While
-speculation is off nothing is observed, so the policy re-probes on a fixed schedule: after
+(a row's emitted tokens capped at what its ``max_new_tokens`` leaves) over the set is chosen for the
+whole batch (one graph per round), where round_cost is the plan's measured cost curve plus the
+draft's cost (:class:`specgraph.perfmodel.CostModel`), or a conservative built-in curve
+(:class:`specgraph.perfmodel.LinearCost`) when no plan is given, corrected by what rounds really
+cost in the loop: every round's wall time (one choice to the next: drafting, the graph, the host
+sync and the bookkeeping; not a round that compiled or loaded a graph) is kept per (batch bucket,
+depth) as a ratio to the curve, a drafted round's divided by that of the plain rounds run nearest
+it, and from the next call on plain rounds cost the curve times their median ratio and a drafted
+depth that times its median relative ratio (a depth not yet timed borrows the nearest timed drafted
+depth's, else none). Only costs relative to plain decoding decide a round, and a shared host's speed
+drifts 2x within minutes: session 11 priced depth 2 at B = 2 at 2.27x its curve and stayed plain,
+while on a quiet host (session 12) the same rounds cost 1.27x a plain one with no cost for switching
+graphs, so most likely its few probes ran in slow stretches and were compared with plain rounds from
+quiet ones. So a drafted round is timed only when a plain round of the same call ran within
+``COST_NEAR`` rounds of it, and a depth never costs less than a shallower one. Graph calls timed in
+isolation miss the drafting and the loop around them: session 9 measured rounds at depth 2 and B =
+16 at the cost of a plain step in isolation but 17% dearer in the loop, and "auto" drafted where
+plain decoding won. So that drafted rounds are compared with plain rounds timed alike, the first
+``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must beat plain decoding by
+``margin`` to be chosen. While speculation is off nothing is observed, so the policy re-probes on a fixed schedule: after
 ``probe_every`` plain rounds it runs one round at the smallest depth, doubling the wait after each
 probe that does not switch speculation back on (up to ``probe_max``) and resetting it once it does;
 the schedule carries over from one call to the next at the same batch bucket. Within a call the
