@@ -44,8 +44,8 @@ isolation miss the drafting and the loop around them: session 9 measured rounds 
 16 at the cost of a plain step in isolation but 17% dearer in the loop, and "auto" drafted where
 plain decoding won. So that drafted rounds are compared with plain rounds timed alike, the first
 ``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must beat plain decoding by
-``margin`` to be chosen. While speculation is off nothing is observed, so the policy re-probes on a fixed schedule: after
-``probe_every`` plain rounds it runs one round at the smallest depth, doubling the wait after each
+``margin`` to be chosen. While speculation is off nothing is observed, so the policy re-probes on a
+fixed schedule: after ``probe_every`` plain rounds it runs one round at the smallest depth, doubling the wait after each
 probe that does not switch speculation back on (up to ``probe_max``) and resetting it once it does;
 the schedule carries over from one call to the next at the same batch bucket. Within a call the
 choices are a pure function of the observed counts and of the state at the call's start (the round
@@ -91,7 +91,6 @@ class DepthPolicy:
 
     def __init__(self):
         self.trace: list[int] = []  # the depth chosen for each round of the last call
-        self.left: np.ndarray | None = None  # [rows] tokens each row may still emit this round (None: unbounded)
         self.round_times: list[tuple[int, float]] = []  # (depth run, seconds) per timed round of the last call
         self.clock = time.perf_counter
         self._t_prev = self._k_prev = self._graphs_prev = None
@@ -100,7 +99,7 @@ class DepthPolicy:
 
     def start(self, fast, rows, batch: int, device) -> None:
         self.fast, self.batch, self.n_rows, self.device = fast, batch, len(rows), device
-        self.trace, self.left = [], None
+        self.trace = []
         # last position each row's draft-model cache holds correctly: the prompt prefill writes all
         # prompt tokens but the last (the first root)
         self._draft_valid = [len(r) - 2 for r in rows] if fast.draft == "model" else None
@@ -120,8 +119,8 @@ class DepthPolicy:
             self.round_times.append((self._k_prev, now - self._t_prev))
         self._t_prev, self._k_prev, self._graphs_prev = now, None, graphs
         live = [not d for d in done[: self.n_rows]]
-        self.left = None if left is None else np.maximum(1, np.asarray(left[: self.n_rows], dtype=np.int64))
-        k = self._decide(live) if any(live) else 0
+        left = None if left is None else np.maximum(1, np.asarray(left[: self.n_rows], dtype=np.int64))
+        k = self._decide(live, left) if any(live) else 0
         self.trace.append(k)
         if k > 0 and self._draft_valid is not None:
             self._draft_catch_up(live, L_host, hist)
@@ -156,7 +155,8 @@ class DepthPolicy:
     def _reset(self, n_rows: int, batch: int) -> None:
         pass
 
-    def _decide(self, live: list[bool]) -> int:
+    def _decide(self, live: list[bool], left: np.ndarray | None = None) -> int:
+        """The depth of this round; ``left``: [rows] tokens each row may still emit (None: unbounded)."""
         raise NotImplementedError
 
     def _update(self, k: int, n_emitted: list[int], live: list[bool]) -> None:
@@ -198,7 +198,7 @@ class FixedDepth(DepthPolicy):
             raise ValueError(f"depth must be >= 0, got {depth}")
         self.depth = int(depth)
 
-    def _decide(self, live):
+    def _decide(self, live, left=None):
         return self.depth
 
 
@@ -342,10 +342,10 @@ class AutoDepth(DepthPolicy):
         cum = np.concatenate([np.zeros((surv.shape[0], 1)), np.cumsum(surv, axis=1)], axis=1)
         return 1.0 + cum[:, self.depths]
 
-    def _decide(self, live):
+    def _decide(self, live, left=None):
         if self.learn_cost and self.plain_timed < COST_MIN_PLAIN:
             return 0  # time plain rounds first: drafted rounds' costs are judged against them
-        E = self.expected_emitted(self.left)[np.array(live, dtype=bool)]
+        E = self.expected_emitted(left)[np.array(live, dtype=bool)]
         rate = E.sum(axis=0) / self.round_cost  # predicted tokens per second at each depth
         best = int(np.argmax(rate))  # first maximum: ties go to the smaller depth
         if best > 0 and rate[best] <= rate[0] * (1.0 + self.margin):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -43,8 +44,6 @@ class _RecordingFast:
     starts with (the drafter reads it there)."""
 
     def __init__(self, drafter):
-        from types import SimpleNamespace
-
         self.chain_drafter, self.seeds = drafter, []
         self.stats = SimpleNamespace(emitted=1, rounds=1)
         self.policy = SimpleNamespace(trace=[0], round_times=[])
