@@ -39,7 +39,10 @@ drifts 2x within minutes: session 11 priced depth 2 at B = 2 at 2.27x its curve 
 while on a quiet host (session 12) the same rounds cost 1.27x a plain one with no cost for switching
 graphs, so most likely its few probes ran in slow stretches and were compared with plain rounds from
 quiet ones. So a drafted round is timed only when a plain round of the same call ran within
-``COST_NEAR`` rounds of it, and a depth never costs less than a shallower one. Graph calls timed in
+``COST_NEAR`` rounds of it, and a depth never costs less than a shallower one. While auto drafts
+round after round and the choice is close, it re-checks those costs now and then (one plain round,
+then one at the runner-up depth; :meth:`AutoDepth._recheck`), on a doubling schedule like the
+probes'. Graph calls timed in
 isolation miss the drafting and the loop around them: session 9 measured rounds at depth 2 and B =
 16 at the cost of a plain step in isolation but 17% dearer in the loop, and "auto" drafted where
 plain decoding won. So that drafted rounds are compared with plain rounds timed alike, the first
@@ -79,6 +82,8 @@ COST_KEEP = 16  # the latest timed rounds kept per (batch bucket, depth)
 COST_MIN_PLAIN = 3  # plain rounds timed at a batch bucket before drafted ones are judged against them
 COST_NEIGHBOURS = 4  # plain rounds, nearest in the call, a drafted round's time is taken relative to
 COST_NEAR = 4  # a drafted round is timed only if a plain round of its call ran at most this many rounds away
+RECHECK_FIRST = 16  # drafted rounds without a plain one before the first cost re-check at a batch bucket
+RECHECK_BAND = 0.5  # re-check only while the runner-up's predicted rate is within this fraction of the best's
 AUTO_DRAFTS = ("ngram", "suffix", "model", "custom")
 
 
@@ -234,6 +239,7 @@ class AutoDepth(DepthPolicy):
         self.seen_acc, self.seen_cnt = np.zeros(K), np.zeros(K)  # this call's counts per position, undecayed
         self.timed: dict[int, dict[int, list[float]]] = {}  # batch -> depth -> latest (seconds / modelled cost)
         self.probe_state: dict[int, tuple[int, int]] = {}  # batch -> (plain rounds since the last probe, wait)
+        self.recheck_state: dict[int, tuple[int, int]] = {}  # batch -> (drafted rounds since a plain one, wait)
         self.round_times, self.last_batch = [], None  # the bucket the last call (its times, its schedule) ran at
 
     def _reset(self, n_rows, batch):
@@ -247,6 +253,7 @@ class AutoDepth(DepthPolicy):
         self._fold_round_times()
         if self.last_batch is not None:
             self.probe_state[self.last_batch] = (self.off_rounds, self.wait)
+            self.recheck_state[self.last_batch] = (self.on_rounds, self.recheck_wait)
         self.acc = np.zeros((n_rows, K))  # decayed count of accepted drafts at each position
         self.cnt = np.zeros((n_rows, K))  # decayed count of drafts that reached each position
         self.seen_acc, self.seen_cnt = np.zeros(K), np.zeros(K)
@@ -260,6 +267,8 @@ class AutoDepth(DepthPolicy):
         # at probe_every each call re-probed a draft that never pays 3-4 times per call (session 10,
         # B = 16: those probe rounds, each ~2-4 plain steps, cost auto 11%)
         self.off_rounds, self.wait = self.probe_state.get(batch, (0, self.probe_every))
+        self.on_rounds, self.recheck_wait = self.recheck_state.get(batch, (0, RECHECK_FIRST))
+        self.neighbour = None  # the drafted depth a cost re-check runs right after its plain round
         self.plain_timed = len(self.timed.get(batch, {}).get(0, ()))
 
     def _fold_round_times(self) -> None:
@@ -342,21 +351,80 @@ class AutoDepth(DepthPolicy):
         cum = np.concatenate([np.zeros((surv.shape[0], 1)), np.cumsum(surv, axis=1)], axis=1)
         return 1.0 + cum[:, self.depths]
 
+    def finish_rounds(self, live: list[bool], left: np.ndarray) -> np.ndarray:
+        """[len(depths)] expected rounds until every live row has emitted its ``left`` tokens
+        ([rows]) if each depth ran to the end. A batch runs until its slowest row finishes, so with
+        short calls its rounds are the expected maximum of the rows' counts, not their mean (session
+        16, 1B replay beta = 0.3, B = 16, 24-token calls: a row emits 1.39 tokens per depth-2 round
+        on average but the batch took 21 rounds, 1.14 tokens per row per round, and plain decoding
+        won while the per-round rate picked depth 2). A row's count is taken as normal (renewal
+        theory): with per-round emissions x of mean mu and variance v, (left + E[x (x - 1)] / (2 mu))
+        / mu rounds, at least 1, and variance (left - 1) v / mu^3; plain decoding's is exact."""
+        on = np.array(live, dtype=bool)
+        n = np.asarray(left, dtype=np.float64)[on][:, None]  # [R, 1]
+        surv = np.cumprod(self.acceptance()[on], axis=1)  # [R, K] P(drafts 1..j accepted)
+        j = np.arange(1, surv.shape[1] + 1)
+        surv = np.where(j < n, surv, 0.0)  # a round emits at most what the row has left
+        pad = np.zeros((surv.shape[0], 1))
+        mu = 1.0 + np.concatenate([pad, np.cumsum(surv, axis=1)], axis=1)[:, self.depths]  # [R, D]
+        ex2 = 1.0 + np.concatenate([pad, np.cumsum((2 * j + 1) * surv, axis=1)], axis=1)[:, self.depths]
+        # the last round overshoots the budget by E[x (x - 1)] / (2 mu) tokens on average
+        m = np.maximum((n + (ex2 - mu) / (2 * mu)) / mu, 1.0)
+        # a row with one token left finishes in one round; others' counts get a floor on their spread
+        sd = np.maximum(np.sqrt((n - 1) * np.maximum(ex2 - mu**2, 0.0) / mu**3), np.where(n > 1, 0.25, 1e-6))
+        m, sd = m[:, 1:], sd[:, 1:]  # plain decoding's column is exact: below
+        lo, hi = float((m - 4 * sd).min()), float((m + 4 * sd).max())
+        t = np.linspace(lo, hi, 129)
+        # E[max_b T_b] = lo + integral over [lo, hi] of P(max > t); P(T_b <= t) by a tanh form of Phi
+        z = (t - m[..., None]) / sd[..., None]  # [R, D - 1, T]
+        cdf = 0.5 + 0.5 * np.tanh(z * (0.7978845608 + 0.0356774081 * z * z))
+        tail = 1.0 - np.prod(cdf, axis=0)  # [D - 1, T]
+        drafted = lo + (tail.sum(axis=1) - 0.5 * (tail[:, 0] + tail[:, -1])) * (t[1] - t[0])
+        return np.concatenate([[float(n.max())], drafted])  # plain decoding: one token per round
+
     def _decide(self, live, left=None):
         if self.learn_cost and self.plain_timed < COST_MIN_PLAIN:
             return 0  # time plain rounds first: drafted rounds' costs are judged against them
-        E = self.expected_emitted(left)[np.array(live, dtype=bool)]
-        rate = E.sum(axis=0) / self.round_cost  # predicted tokens per second at each depth
+        if left is None:  # open-ended rows: predicted tokens per second at each depth
+            rate = self.expected_emitted()[np.array(live, dtype=bool)].sum(axis=0) / self.round_cost
+        else:  # budgets left: the inverse of the predicted seconds until the batch finishes, the
+            # last round priced as a plain one (few tokens are left then, and auto can drop depth)
+            rounds = self.finish_rounds(live, left)
+            rate = 1.0 / ((rounds - 1.0) * self.round_cost + self.round_cost[0])
         best = int(np.argmax(rate))  # first maximum: ties go to the smaller depth
         if best > 0 and rate[best] <= rate[0] * (1.0 + self.margin):
             best = 0
         if best > 0:
             self.off_rounds, self.wait = 0, self.probe_every
-            return self.depths[best]
-        self.off_rounds += 1
+            return self._recheck(rate, best)
+        self.off_rounds, self.on_rounds = self.off_rounds + 1, 0
         if self.off_rounds > self.wait:  # re-probe: nothing is observed while off
             self.off_rounds, self.wait = 0, min(2 * self.wait, self.probe_max)
             return self.depths[1]
+        return 0
+
+    def _recheck(self, rate: np.ndarray, best: int) -> int:
+        """The drafted depth ``depths[best]``, or a cost re-check in its place: one plain round, and
+        in the next round the runner-up drafted depth, so that both depths' rounds run within
+        :data:`COST_NEAR` rounds of a plain one and are timed. Without it a call that only drafted
+        adds no round times (a drafted round's cost is only read next to plain ones), so once auto
+        drafts every round at a bucket its drafted costs stay what its first call read (session 15,
+        1B, B = 16, beta = 0.9: depth 4 learned at 1.34x a plain round while it ran at ~2x, and
+        depth 2, 10% faster, never ran again). A re-check comes after ``recheck_wait`` drafted rounds
+        with no plain one, the wait doubling up to ``probe_max`` and carried over between calls at
+        the bucket, and only while the choice is close: the runner-up (plain decoding included)
+        predicted within :data:`RECHECK_BAND` of the best."""
+        if self.neighbour is not None:
+            k, self.neighbour = self.neighbour, None
+            return k
+        self.on_rounds += 1
+        runner_up = max((i for i in range(len(rate)) if i != best), key=lambda i: rate[i])
+        if (not self.learn_cost or self.on_rounds <= self.recheck_wait
+                or rate[best] > (1.0 + RECHECK_BAND) * rate[runner_up]):
+            return self.depths[best]
+        self.on_rounds, self.recheck_wait = 0, min(2 * self.recheck_wait, self.probe_max)
+        others = [i for i in range(1, len(rate)) if i != best]
+        self.neighbour = self.depths[max(others, key=lambda i: rate[i])] if others else None
         return 0
 
     def observe(self, k, n_emitted, done, L_host):
