@@ -21,12 +21,13 @@ has made: a row's EWMA holds ~6, too few to place an acceptance near the break-e
 right side (session 14: at B = 1 and 30% acceptance, where depth 2 paid from ~17%, three rejections
 in a row switched speculation off, and probes backing off to every 64 rounds rarely switched it
 back on: auto ran 0.78x of depth 2).
-Each round, the depth d maximising
+Each round, the depth d minimising the predicted seconds until the batch is done
 
-    predicted tokens per second = Σ_rows E_row[emitted](d) / round_cost(d, B)
+    E[max over live rows of the rounds to emit what ``max_new_tokens`` leaves the row](d) x round_cost(d, B)
 
-(a row's emitted tokens capped at what its ``max_new_tokens`` leaves) over the set is chosen for the
-whole batch (one graph per round), where round_cost is the plan's measured cost curve plus the
+(the last round priced as a plain one; :meth:`AutoDepth.finish_rounds`; without budgets, the one
+maximising Σ_rows E_row[emitted](d) / round_cost(d, B)) over the set is chosen for the whole batch
+(one graph per round), where round_cost is the plan's measured cost curve plus the
 draft's cost (:class:`specgraph.perfmodel.CostModel`), or a conservative built-in curve
 (:class:`specgraph.perfmodel.LinearCost`) when no plan is given, corrected by what rounds really
 cost in the loop: every round's wall time (one choice to the next: drafting, the graph, the host
@@ -338,16 +339,9 @@ class AutoDepth(DepthPolicy):
         known = self.mem_cnt >= 1.0
         return np.where(known, self.mem_acc / np.where(known, self.mem_cnt, 1.0), np.nan)
 
-    def expected_emitted(self, left: np.ndarray | None = None) -> np.ndarray:
-        """[rows, len(depths)]: each row's predicted tokens emitted per round at each depth; with
-        ``left`` ([rows] tokens each row may still emit) a row counts at most its ``left`` tokens."""
+    def expected_emitted(self) -> np.ndarray:
+        """[rows, len(depths)]: each row's predicted tokens emitted per round at each depth."""
         surv = np.cumprod(self.acceptance(), axis=1)
-        if left is not None:
-            # E[min(accepted + 1, left)]: drafts past a row's budget are accepted for nothing, and with
-            # short calls that waste grows with depth (session 15, 1B replay beta = 0.9, B = 16, 24-token
-            # calls: depth 4 emitted 3.0 tokens per row per round against 4.1 predicted, depth 2 2.4
-            # against 2.7, and depth 2 won while auto ran depth 4)
-            surv = np.where(np.arange(1, surv.shape[1] + 1)[None, :] < left[:, None], surv, 0.0)
         cum = np.concatenate([np.zeros((surv.shape[0], 1)), np.cumsum(surv, axis=1)], axis=1)
         return 1.0 + cum[:, self.depths]
 
@@ -364,7 +358,10 @@ class AutoDepth(DepthPolicy):
         n = np.asarray(left, dtype=np.float64)[on][:, None]  # [R, 1]
         surv = np.cumprod(self.acceptance()[on], axis=1)  # [R, K] P(drafts 1..j accepted)
         j = np.arange(1, surv.shape[1] + 1)
-        surv = np.where(j < n, surv, 0.0)  # a round emits at most what the row has left
+        # a round emits at most what the row has left: drafts past it are accepted for nothing, and
+        # with short calls that waste grows with depth (session 15, 1B replay beta = 0.9, B = 16,
+        # 24-token calls: depth 4 emitted 3.0 tokens per row per round against 4.1 predicted)
+        surv = np.where(j < n, surv, 0.0)
         pad = np.zeros((surv.shape[0], 1))
         mu = 1.0 + np.concatenate([pad, np.cumsum(surv, axis=1)], axis=1)[:, self.depths]  # [R, D]
         ex2 = 1.0 + np.concatenate([pad, np.cumsum((2 * j + 1) * surv, axis=1)], axis=1)[:, self.depths]

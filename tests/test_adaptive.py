@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import specgraph
+from specgraph import adaptive
 from specgraph.adaptive import (COST_MIN_PLAIN, COST_NEAR, PROBE_EVERY, PROBE_MAX, RECHECK_FIRST, AutoDepth, FixedDepth,
                                 forced_depth)
 from specgraph.drafters import ChainDrafter, ReplayDrafter
@@ -747,5 +748,67 @@ def test_a_row_s_remaining_budget_caps_its_predicted_tokens():
     assert pol.choose([False, False], [0, 0], None, [3, 3]) == 2
     assert pol.choose([False, False], [0, 0], None, [1, 1]) == 0
     assert pol.choose([False, True], [0, 0], None, [30, 1]) == 4  # a finished row's budget does not count
-    a1 = pol.acceptance()[0, 0]
-    assert pol.expected_emitted(np.array([2, 40]))[0].tolist() == pytest.approx([1.0, 1.0 + a1, 1.0 + a1])
+    rounds = pol.finish_rounds([True, True], np.array([2, 2]))  # past 2 tokens deeper drafts add nothing
+    assert rounds[1] == rounds[2] < rounds[0] == 2
+
+
+def _rounds_to_finish(rng, beta, depth, left, n=2000):
+    """Monte Carlo: mean over n batches of the rounds until every row has emitted its left[b]
+    tokens, each round at ``depth`` with i.i.d. acceptance ``beta``."""
+    accepted = (rng.random((n, len(left), max(left), depth)) < beta).cumprod(axis=3).sum(axis=3)
+    emitted = np.cumsum(accepted + 1, axis=2)  # [n, rows, rounds] after each round
+    rounds = (emitted < np.array(left)[None, :, None]).sum(axis=2) + 1
+    return float(rounds.max(axis=1).mean())
+
+
+@pytest.mark.parametrize("beta", [0.3, 0.6, 0.9])
+def test_a_batch_is_judged_by_when_its_slowest_row_finishes(beta):
+    """A static batch runs until its slowest row is done: 16 rows at 30% acceptance emit 1.39
+    tokens per depth-2 round on average but need ~21 rounds for 24 tokens, not 17 (session 16: the
+    1B replay cell at B = 16 took 21 rounds, and plain decoding won while a per-round rate picked
+    depth 2). finish_rounds predicts a Monte Carlo of the rows' counts within 10% (the largest
+    errors with a few tokens left), for full and ragged budgets; with depth 2 at 1.31x a plain
+    round (the 1B at B = 16 on this host) and 24 tokens left, auto stays plain for 16 rows at 30%
+    acceptance and drafts for one."""
+    rng = np.random.default_rng(0)
+    for left in ([24] * 16, [24], [1, 2, 2, 4, 7, 7, 5, 8, 3, 5, 3], [3, 3, 1, 4, 1]):
+        pol = AutoDepth([2, 4], SimpleNamespace(round_cost=lambda d, b: 1.0), learn_cost=False)
+        pol._reset(len(left), len(left))
+        pol.acc[:], pol.cnt[:] = beta * 1e4, 1e4  # acceptance known: beta at every position
+        predicted = pol.finish_rounds([True] * len(left), np.array(left))
+        assert predicted[0] == max(left)  # plain decoding: one token per round
+        for i, d in enumerate((2, 4), start=1):
+            assert predicted[i] == pytest.approx(_rounds_to_finish(rng, beta, d, left), rel=0.10), (left, d)
+    if beta == 0.3:
+        cost = {0: 1.0, 2: 1.31, 4: 1.67}
+        for rows, depth in ((16, 0), (1, 2)):
+            pol = AutoDepth([2, 4], SimpleNamespace(round_cost=lambda d, b: cost[d]), learn_cost=False)
+            pol._reset(rows, rows)
+            pol.acc[:], pol.cnt[:] = 0.3 * 1e4, 1e4
+            assert pol._decide([True] * rows, np.full(rows, 24)) == depth, rows
+
+
+def test_cost_recheck_corrects_a_depth_priced_wrong_in_drafted_only_calls(monkeypatch):
+    """A bucket's first call priced depth 4 at 0.6x its real cost (noise), so auto drafts at depth 4
+    every round from then on; a call that only drafts times nothing (drafted rounds are read next to
+    plain ones), so without re-checks the wrong price stands for good (session 15, 1B, B = 16: depth
+    4 learned at 1.34x a plain round, ran at ~2x, and depth 2 won by 10%). In-loop costs plain 1,
+    depth 2 1.16, depth 4 2.6 (depth 2 wins at 90% acceptance: 2.71 / 1.16 against 4.1 / 2.6);
+    over 8 seeded workloads of 30 calls of 64 tokens auto reaches >= 0.95x the best fixed depth with
+    the re-checks and stays below 0.85x without them."""
+    cost = {0: 1.0, 2: 1.16, 4: 2.6}
+    model = SimpleNamespace(round_cost=lambda d, b: cost[d])
+
+    def ratios():
+        out = []
+        for seed in range(8):
+            pol = AutoDepth([2, 4], model)
+            pol.timed = {1: {0: [1.0] * COST_MIN_PLAIN, 2: [1.0], 4: [0.6] * 16}}  # the first call's reading
+            auto = simulate_replay(pol, 0.9, cost, seed, calls=30, max_new=64)
+            best = max(simulate_replay(None, 0.9, cost, seed, fixed=k, calls=30, max_new=64) for k in (0, 2, 4))
+            out.append(auto / best)
+        return float(np.mean(out))
+
+    assert ratios() >= 0.95
+    monkeypatch.setattr(adaptive, "RECHECK_BAND", -1.0)  # never close enough: no re-checks
+    assert ratios() < 0.85
