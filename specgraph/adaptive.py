@@ -43,19 +43,18 @@ quiet ones. So a drafted round is timed only when a plain round of the same call
 ``COST_NEAR`` rounds of it, and a depth never costs less than a shallower one. While auto drafts
 round after round and the choice is close, it re-checks those costs now and then (one plain round,
 then one at the runner-up depth; :meth:`AutoDepth._recheck`), on a doubling schedule like the
-probes'. Graph calls timed in
-isolation miss the drafting and the loop around them: session 9 measured rounds at depth 2 and B =
-16 at the cost of a plain step in isolation but 17% dearer in the loop, and "auto" drafted where
-plain decoding won. So that drafted rounds are compared with plain rounds timed alike, the first
-``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must beat plain decoding by
-``margin`` to be chosen. While speculation is off nothing is observed, so the policy re-probes on a
-fixed schedule: after ``probe_every`` plain rounds it runs one round at the smallest depth, doubling the wait after each
-probe that does not switch speculation back on (up to ``probe_max``) and resetting it once it does;
-the schedule carries over from one call to the next at the same batch bucket. Within a call the
-choices are a pure function of the observed counts and of the state at the call's start (the round
-times are folded in only between calls): the same seed on an object in the same state (a new one,
-or after :meth:`AutoDepth.forget`) gives the same sequence of depths. With ``learn_cost=False`` the
-times are not used at all.
+probes'. Graph calls timed in isolation miss the drafting and the loop around them: session 9
+measured rounds at depth 2 and B = 16 at the cost of a plain step in isolation but 17% dearer in the
+loop, and "auto" drafted where plain decoding won. So that drafted rounds are compared with plain
+rounds timed alike, the first ``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must
+beat plain decoding by ``margin`` to be chosen. While speculation is off nothing is observed, so the
+policy re-probes on a fixed schedule: after ``probe_every`` plain rounds it runs one round at the
+smallest depth, doubling the wait after each probe that does not switch speculation back on (up to
+``probe_max``) and resetting it once it does; the schedule carries over from one call to the next at
+the same batch bucket. Within a call the choices are a pure function of the observed counts and of
+the state at the call's start (the round times are folded in only between calls): the same seed on
+an object in the same state (a new one, or after :meth:`AutoDepth.forget`) gives the same sequence
+of depths. With ``learn_cost=False`` the times are not used at all.
 
 The depth is a function of the past only, and every round samples the target's next tokens
 exactly whatever its depth, so the output law (and greedy output) is unchanged.
