@@ -338,11 +338,15 @@ class AutoDepth(DepthPolicy):
         known = self.mem_cnt >= 1.0
         return np.where(known, self.mem_acc / np.where(known, self.mem_cnt, 1.0), np.nan)
 
+    def _at_depths(self, terms: np.ndarray) -> np.ndarray:
+        """[rows, len(depths)]: 1 + the sum of ``terms`` ([rows, K], per draft position) over the
+        positions each depth drafts."""
+        cum = np.concatenate([np.zeros((terms.shape[0], 1)), np.cumsum(terms, axis=1)], axis=1)
+        return 1.0 + cum[:, self.depths]
+
     def expected_emitted(self) -> np.ndarray:
         """[rows, len(depths)]: each row's predicted tokens emitted per round at each depth."""
-        surv = np.cumprod(self.acceptance(), axis=1)
-        cum = np.concatenate([np.zeros((surv.shape[0], 1)), np.cumsum(surv, axis=1)], axis=1)
-        return 1.0 + cum[:, self.depths]
+        return self._at_depths(np.cumprod(self.acceptance(), axis=1))
 
     def finish_rounds(self, live: list[bool], left: np.ndarray) -> np.ndarray:
         """[len(depths)] expected rounds until every live row has emitted its ``left`` tokens
@@ -361,9 +365,7 @@ class AutoDepth(DepthPolicy):
         # with short calls that waste grows with depth (session 15, 1B replay beta = 0.9, B = 16,
         # 24-token calls: depth 4 emitted 3.0 tokens per row per round against 4.1 predicted)
         surv = np.where(j < n, surv, 0.0)
-        pad = np.zeros((surv.shape[0], 1))
-        mu = 1.0 + np.concatenate([pad, np.cumsum(surv, axis=1)], axis=1)[:, self.depths]  # [R, D]
-        ex2 = 1.0 + np.concatenate([pad, np.cumsum((2 * j + 1) * surv, axis=1)], axis=1)[:, self.depths]
+        mu, ex2 = self._at_depths(surv), self._at_depths((2 * j + 1) * surv)  # [R, D] E[x], E[x^2]
         # the last round overshoots the budget by E[x (x - 1)] / (2 mu) tokens on average
         m = np.maximum((n + (ex2 - mu) / (2 * mu)) / mu, 1.0)
         # a row with one token left finishes in one round; others' counts get a floor on their spread
@@ -414,13 +416,13 @@ class AutoDepth(DepthPolicy):
             k, self.neighbour = self.neighbour, None
             return k
         self.on_rounds += 1
-        runner_up = max((i for i in range(len(rate)) if i != best), key=lambda i: rate[i])
+        second = max((i for i in range(1, len(rate)) if i != best), key=lambda i: rate[i], default=None)
+        runner_up = rate[0] if second is None else max(rate[0], rate[second])  # plain decoding included
         if (not self.learn_cost or self.on_rounds <= self.recheck_wait
-                or rate[best] > (1.0 + RECHECK_BAND) * rate[runner_up]):
+                or rate[best] > (1.0 + RECHECK_BAND) * runner_up):
             return self.depths[best]
         self.on_rounds, self.recheck_wait = 0, min(2 * self.recheck_wait, self.probe_max)
-        others = [i for i in range(1, len(rate)) if i != best]
-        self.neighbour = self.depths[max(others, key=lambda i: rate[i])] if others else None
+        self.neighbour = None if second is None else self.depths[second]
         return 0
 
     def observe(self, k, n_emitted, done, L_host):
