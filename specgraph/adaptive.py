@@ -40,7 +40,7 @@ drifts 2x within minutes: session 11 priced depth 2 at B = 2 at 2.27x its curve 
 while on a quiet host (session 12) the same rounds cost 1.27x a plain one with no cost for switching
 graphs, so most likely its few probes ran in slow stretches and were compared with plain rounds from
 quiet ones. So a drafted round is timed only when a plain round of the same call ran within
-``COST_NEAR`` rounds of it, and a depth never costs less than a shallower one. While auto drafts
+``COST_NEAR`` rounds of it, and a drafted depth never costs less than a plain round. While auto drafts
 round after round and the choice is close, it re-checks those costs now and then (one plain round,
 then one at the runner-up depth; :meth:`AutoDepth._recheck`), on a doubling schedule like the
 probes'. Graph calls timed in isolation miss the drafting and the loop around them: session 9
@@ -48,13 +48,14 @@ measured rounds at depth 2 and B = 16 at the cost of a plain step in isolation b
 loop, and "auto" drafted where plain decoding won. So that drafted rounds are compared with plain
 rounds timed alike, the first ``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must
 beat plain decoding by ``margin`` to be chosen. While speculation is off nothing is observed, so the
-policy re-probes on a fixed schedule: after ``probe_every`` plain rounds it runs one round at the
-smallest depth, doubling the wait after each probe that does not switch speculation back on (up to
-``probe_max``) and resetting it once it does; the schedule carries over from one call to the next at
-the same batch bucket. Within a call the choices are a pure function of the observed counts and of
-the state at the call's start (the round times are folded in only between calls): the same seed on
-an object in the same state (a new one, or after :meth:`AutoDepth.forget`) gives the same sequence
-of depths. With ``learn_cost=False`` the times are not used at all.
+policy re-probes: after ``probe_every`` plain rounds it runs one round at the smallest depth,
+doubling the wait after each probe that does not switch speculation back on (up to ``probe_max``,
+and to no more than keeps the probes' predicted cost under ``PROBE_BUDGET`` of the time: a probe of
+a draft just short of paying is nearly free) and resetting it once it does; the schedule carries
+over from one call to the next at the same batch bucket. Within a call the choices are a pure
+function of the observed counts and of the state at the call's start (the round times are folded in
+only between calls): the same seed on an object in the same state (a new one, or after
+:meth:`AutoDepth.forget`) gives the same sequence of depths. With ``learn_cost=False`` the times are not used at all.
 
 The depth is a function of the past only, and every round samples the target's next tokens
 exactly whatever its depth, so the output law (and greedy output) is unchanged.
@@ -77,6 +78,7 @@ MEMORY_KEEP = 0.5  # the weight the pooled memory keeps with each later call
 POOL_WEIGHT = 4.0  # the most observations the pooled memory counts as in a row's estimate (it does not fade)
 PROBE_EVERY = 8  # plain rounds before the first re-probe
 PROBE_MAX = 64  # the longest wait between re-probes
+PROBE_BUDGET = 0.01  # the predicted share of plain decoding's time re-probes may cost
 MARGIN = 0.02  # a depth must be predicted >= 2% faster than plain decoding
 COST_KEEP = 16  # the latest timed rounds kept per (batch bucket, depth)
 COST_MIN_PLAIN = 3  # plain rounds timed at a batch bucket before drafted ones are judged against them
@@ -260,9 +262,13 @@ class AutoDepth(DepthPolicy):
         # one round's cost at each depth for this batch bucket (the padded rows run too)
         self.last_batch = batch
         self.model_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
-        # a deeper round does a superset of a shallower one's work: learned factors that priced a
-        # drafted depth below plain decoding (timing noise) had auto draft a useless draft for good
-        self.round_cost = np.maximum.accumulate(self.model_cost * self.cost_factors(batch))
+        # a drafted round does a plain one's work and more: learned factors that priced a drafted
+        # depth below plain decoding (timing noise) had auto draft a useless draft for good. Drafted
+        # depths are not clamped to each other: on a CPU a GEMM over more rows can be faster (session
+        # 17, 1B, B = 4: N = 5 rounds 567-580 ms, N = 3 643-662 ms, in the curve and in the loop), and
+        # pricing depth 4 at depth 2's cost kept auto plain at 0.83x of depth 4
+        costs = self.model_cost * self.cost_factors(batch)
+        self.round_cost = np.maximum(costs, costs[0])
         # the re-probe schedule goes on where the last call at this bucket left it: restarting it
         # at probe_every each call re-probed a draft that never pays 3-4 times per call (session 10,
         # B = 16: those probe rounds, each ~2-4 plain steps, cost auto 11%)
@@ -396,10 +402,22 @@ class AutoDepth(DepthPolicy):
             self.off_rounds, self.wait = 0, self.probe_every
             return self._recheck(rate, best)
         self.off_rounds, self.on_rounds = self.off_rounds + 1, 0
-        if self.off_rounds > self.wait:  # re-probe: nothing is observed while off
+        if self.off_rounds > min(self.wait, self._probe_cap(rate)):  # re-probe: nothing is observed while off
             self.off_rounds, self.wait = 0, min(2 * self.wait, self.probe_max)
             return self.depths[1]
         return 0
+
+    def _probe_cap(self, rate: np.ndarray) -> int:
+        """The longest wait between re-probes that keeps their predicted cost under
+        :data:`PROBE_BUDGET` of plain decoding's time (at least ``probe_every``): a probe round at the
+        smallest depth instead of a plain one costs about that depth's predicted shortfall times its
+        round cost, in plain rounds. Where drafting is only just short of paying, a probe is nearly
+        free, and the doubled wait (64 rounds) missed a workload that began to accept more (session 17,
+        1B replay, B = 2: after calls at 60% acceptance, where depth 2 fell ~5% short, auto ran two of
+        three 24-token calls at 90% acceptance plain, 0.83x of depth 2)."""
+        shortfall = max(0.0, 1.0 - float(rate[1] / rate[0]))
+        loss = shortfall * float(self.round_cost[1] / self.round_cost[0])
+        return max(self.probe_every, int(np.ceil(loss / PROBE_BUDGET)))
 
     def _recheck(self, rate: np.ndarray, best: int) -> int:
         """The drafted depth ``depths[best]``, or a cost re-check in its place: one plain round, and
