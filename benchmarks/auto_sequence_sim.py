@@ -1,0 +1,100 @@
+"""Replays ``num_speculative_tokens="auto"`` (:class:`specgraph.adaptive.AutoDepth`) over the call
+sequence batch_bench.py runs for the 1B replay model, without a model: each call's rows draw their
+accepted drafts from a replay acceptance β, rounds "take" the cost curve of a batch_bench JSON on a
+fake clock (drafted rounds ``--drafted-slowdown`` dearer, as the loop measures them), and the
+policy object carries its memory from call to call as it does in the benchmark.
+
+    python benchmarks/auto_sequence_sim.py benchmarks/results/batch_cpu_s17_llama1b_eager_b2_4_probecap.json \
+        --betas 0.3,0.6,0.9 --batch-sizes 2,4 --seeds 3
+
+Prints, per (β, B), auto's time over the best fixed depth's expected time for each call (warm-up
+first) and the last call's depths; with ``--traces``, every call's depths and the pooled
+acceptance memory after it. Session 17 used it to find why auto lagged at β = 0.9, B = 2 after
+calls at β = 0.6 (the pooled memory, weighted by counts, was dominated by the B = 4 calls)."""
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import numpy as np
+
+from specgraph.adaptive import AutoDepth
+from specgraph.perfmodel import CostCurve, CostModel
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def accepted(rng, B: int, k: int, beta: float) -> np.ndarray:
+    """[B] drafts accepted per row: each draft accepted with probability beta, until the first miss."""
+    return np.array([next((j for j in range(k) if rng.random() > beta), k) for _ in range(B)])
+
+
+def auto_call(pol, curve, B, beta, n_new, slowdown, rng) -> tuple[list[int], float]:
+    pol.start(SimpleNamespace(draft="custom", backend="eager", _fns={}), [[1, 2, 3]] * B, B, "cpu")
+    left, t0 = np.full(B, n_new), pol.clock.t
+    while (left > 0).any():
+        done = list(left <= 0)
+        k = pol.choose(done, [2] * B, None, list(left))
+        pol.clock.t += curve(k + 1, B) * rng.uniform(0.97, 1.03) * (slowdown if k else 1.0)
+        a = accepted(rng, B, k, beta)
+        pol.observe(k, list(a + 1), done, [2] * B)  # the loop reports acceptance, not the budget's cap
+        left = left - np.where(left > 0, np.minimum(a + 1, left), 0)
+    return list(pol.trace), pol.clock.t - t0
+
+
+def fixed_seconds(curve, B, beta, k, n_new, slowdown, rng, reps=50) -> float:
+    total = 0.0
+    for _ in range(reps):
+        left = np.full(B, n_new)
+        while (left > 0).any():
+            total += curve(k + 1, B) * (slowdown if k else 1.0)
+            left = left - np.minimum(accepted(rng, B, k, beta) + 1, np.maximum(left, 0))
+    return total / reps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("result", help="a batch_bench JSON with a llama1b cost curve")
+    ap.add_argument("--betas", default="0.3,0.6,0.9")
+    ap.add_argument("--batch-sizes", default=None, help="default: the JSON's")
+    ap.add_argument("--depths", default="2,4")
+    ap.add_argument("--calls", type=int, default=4, help="calls per (β, B): batch_bench's warm-up + runs")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--drafted-slowdown", type=float, default=1.05)
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--traces", action="store_true")
+    args = ap.parse_args(argv)
+    meta = json.load(open(args.result))["meta"]
+    table = meta["models"]["llama1b"]["cost"]["target"]["table"]
+    curve = CostCurve({int(b): {int(n): t for n, t in row.items()} for b, row in table.items()})
+    sizes = [int(b) for b in (args.batch_sizes or ",".join(table)).split(",")]
+    depths = [int(d) for d in args.depths.split(",")]
+    for seed in range(args.seeds):
+        rng = np.random.default_rng(seed)
+        pol = AutoDepth(depths, CostModel(curve))
+        pol.clock = Clock()
+        print(f"seed {seed}")
+        for beta in (float(b) for b in args.betas.split(",")):
+            for B in sizes:
+                best = min(fixed_seconds(curve, B, beta, k, args.max_new_tokens, args.drafted_slowdown, rng)
+                           for k in [0, *depths])
+                ratios = []
+                for _ in range(args.calls):
+                    trace, sec = auto_call(pol, curve, B, beta, args.max_new_tokens, args.drafted_slowdown, rng)
+                    ratios.append(best / sec)
+                    if args.traces:
+                        print("    " + "".join(map(str, trace)), np.round(pol.pooled_acceptance(), 2))
+                print(f"  beta {beta:g} B {B:2d}: auto / best per call " + " ".join(f"{r:.2f}" for r in ratios)
+                      + f"   last call {''.join(map(str, trace))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
