@@ -55,7 +55,8 @@ a draft just short of paying is nearly free) and resetting it once it does; the 
 over from one call to the next at the same batch bucket. Within a call the choices are a pure
 function of the observed counts and of the state at the call's start (the round times are folded in
 only between calls): the same seed on an object in the same state (a new one, or after
-:meth:`AutoDepth.forget`) gives the same sequence of depths. With ``learn_cost=False`` the times are not used at all.
+:meth:`AutoDepth.forget`) gives the same sequence of depths. With ``learn_cost=False`` the times are
+not used at all.
 
 The depth is a function of the past only, and every round samples the target's next tokens
 exactly whatever its depth, so the output law (and greedy output) is unchanged.
@@ -402,7 +403,8 @@ class AutoDepth(DepthPolicy):
             self.off_rounds, self.wait = 0, self.probe_every
             return self._recheck(rate, best)
         self.off_rounds, self.on_rounds = self.off_rounds + 1, 0
-        if self.off_rounds > min(self.wait, self._probe_cap(rate)):  # re-probe: nothing is observed while off
+        # re-probe: nothing is observed while off
+        if self.off_rounds > min(self.wait, self._probe_cap(rate)):
             self.off_rounds, self.wait = 0, min(2 * self.wait, self.probe_max)
             return self.depths[1]
         return 0
@@ -412,9 +414,10 @@ class AutoDepth(DepthPolicy):
         :data:`PROBE_BUDGET` of plain decoding's time (at least ``probe_every``): a probe round at the
         smallest depth instead of a plain one costs about that depth's predicted shortfall times its
         round cost, in plain rounds. Where drafting is only just short of paying, a probe is nearly
-        free, and the doubled wait (64 rounds) missed a workload that began to accept more (session 17,
+        free, and a 64-round wait is slow to notice a workload that began to accept more (session 17,
         1B replay, B = 2: after calls at 60% acceptance, where depth 2 fell ~5% short, auto ran two of
-        three 24-token calls at 90% acceptance plain, 0.83x of depth 2)."""
+        three 24-token calls at 90% acceptance plain, 0.83x of depth 2; with the cap 0.80x, as each
+        call's rows still start from a pooled memory the earlier calls dominate)."""
         shortfall = max(0.0, 1.0 - float(rate[1] / rate[0]))
         loss = shortfall * float(self.round_cost[1] / self.round_cost[0])
         return max(self.probe_every, int(np.ceil(loss / PROBE_BUDGET)))

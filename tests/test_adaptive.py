@@ -507,8 +507,8 @@ def test_probe_schedule_carries_over_between_calls():
 def test_probes_of_a_draft_just_short_of_paying_come_often():
     """The wait between re-probes is capped where a probe is cheap: a never-accepted draft whose
     round costs 1.095 plain rounds loses ~0.095 of one per probe, so probing every ~10 rounds keeps
-    to PROBE_BUDGET (1%) of the time; doubling alone waited PROBE_MAX = 64 rounds, and missed a
-    workload that began to accept (session 17)."""
+    to PROBE_BUDGET (1%) of the time; doubling alone waits up to PROBE_MAX = 64 rounds, slow to
+    notice a workload that begins to accept (session 17)."""
     pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
     (trace,) = simulate_calls(pol, {0: 1.0, 2: 1.0}, n_calls=1, rounds=160, emitted=1)
     on = [i for i, k in enumerate(trace) if k > 0]
