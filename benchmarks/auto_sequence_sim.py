@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     curve = CostCurve({int(b): {int(n): t for n, t in row.items()} for b, row in table.items()})
     sizes = [int(b) for b in (args.batch_sizes or ",".join(table)).split(",")]
     depths = [int(d) for d in args.depths.split(",")]
+    timed = {}  # (beta, B) -> [best expected seconds, auto seconds] summed over seeds' timed calls
+    medians = {}  # (beta, B) -> per seed, the median of the timed calls' ratios (batch_bench's statistic)
     for seed in range(args.seeds):
         rng = np.random.default_rng(seed)
         pol = AutoDepth(depths, CostModel(curve))
@@ -89,10 +91,18 @@ def main(argv=None) -> int:
                 for _ in range(args.calls):
                     trace, sec = auto_call(pol, curve, B, beta, args.max_new_tokens, args.drafted_slowdown, rng)
                     ratios.append(best / sec)
+                    if len(ratios) > 1:  # the warm-up call is not timed in batch_bench
+                        cell = timed.setdefault((beta, B), [0.0, 0.0])
+                        cell[0], cell[1] = cell[0] + best, cell[1] + sec
                     if args.traces:
                         print("    " + "".join(map(str, trace)), np.round(pol.pooled_acceptance(), 2))
+                medians.setdefault((beta, B), []).append(float(np.median(ratios[1:])))
                 print(f"  beta {beta:g} B {B:2d}: auto / best per call " + " ".join(f"{r:.2f}" for r in ratios)
                       + f"   last call {''.join(map(str, trace))}")
+    print(f"over {args.seeds} seeds, timed calls: best fixed depth's expected time / auto's time, and the share"
+          " of seeds whose median timed call is under 0.95 of it")
+    for (beta, B), (best, sec) in timed.items():
+        print(f"  beta {beta:g} B {B:2d}: {best / sec:.3f}   {np.mean(np.array(medians[beta, B]) < 0.95):.2f}")
     return 0
 
 

@@ -15,12 +15,13 @@ instead: the rows' counts are pooled per position at the end of each call into a
 weight halves with every call, and while it holds at least one observation at a position its
 acceptance there is the new rows' prior (a serving object learns its workload's acceptance once,
 not once per request; session 8 measured a third of a 64-token call spent relearning it). The
-memory pools each call's whole counts (not the rows' EWMA, which weighs a call's last rounds), and
-in a row's estimate it keeps the weight of up to ``pool_weight`` observations however many the row
-has made: a row's EWMA holds ~6, too few to place an acceptance near the break-even one on the
-right side (session 14: at B = 1 and 30% acceptance, where depth 2 paid from ~17%, three rejections
-in a row switched speculation off, and probes backing off to every 64 rounds rarely switched it
-back on: auto ran 0.78x of depth 2).
+memory pools each call's whole counts (not the rows' EWMA, which weighs a call's last rounds), at
+most ``CALL_OBS`` per position and call (a call is one sample of the workload, whatever its batch
+size), and in a row's estimate it keeps the weight of up to ``pool_weight`` observations however
+many the row has made: a row's EWMA holds ~6, too few to place an acceptance near the break-even
+one on the right side (session 14: at B = 1 and 30% acceptance, where depth 2 paid from ~17%, three
+rejections in a row switched speculation off, and probes backing off to every 64 rounds rarely
+switched it back on: auto ran 0.78x of depth 2).
 Each round, the depth d minimising the predicted seconds until the batch is done
 
     E[max over live rows of the rounds to emit what ``max_new_tokens`` leaves the row](d) x round_cost(d, B)
@@ -76,6 +77,7 @@ PRIOR_ACCEPT = 0.5  # first-position acceptance assumed for a new row without a 
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
 HALFLIFE = 4.0  # an observation's weight halves after this many newer ones at that position
 MEMORY_KEEP = 0.5  # the weight the pooled memory keeps with each later call
+CALL_OBS = 8.0  # the most observations one call adds to the memory at a position
 POOL_WEIGHT = 4.0  # the most observations the pooled memory counts as in a row's estimate (it does not fade)
 PROBE_EVERY = 8  # plain rounds before the first re-probe
 PROBE_MAX = 64  # the longest wait between re-probes
@@ -250,9 +252,13 @@ class AutoDepth(DepthPolicy):
         # fold the previous call's counts into the memory (rows that never drafted add nothing). Its
         # whole counts, not the rows' EWMA: those weigh a call's last ~6 rounds, and a call that ends
         # on a rejecting stretch read as the workload's acceptance (session 14: a replay draft at
-        # beta = 0.3 pooled to 0.09-0.13 and auto stayed off while depth 2 won by 12-15%)
-        self.mem_acc = MEMORY_KEEP * self.mem_acc + self.seen_acc
-        self.mem_cnt = MEMORY_KEEP * self.mem_cnt + self.seen_cnt
+        # beta = 0.3 pooled to 0.09-0.13 and auto stayed off while depth 2 won by 12-15%). At most
+        # CALL_OBS of them per position: a call is one sample of the workload whatever its batch, and
+        # counted whole a B = 4 call drafting depth 4 (~50 observations) outweighed the later B = 2
+        # calls mostly plain (2 per probe) for 2-4 calls after the workload changed (session 17)
+        scale = np.minimum(1.0, CALL_OBS / np.maximum(self.seen_cnt, 1.0))
+        self.mem_acc = MEMORY_KEEP * self.mem_acc + scale * self.seen_acc
+        self.mem_cnt = MEMORY_KEEP * self.mem_cnt + scale * self.seen_cnt
         self._fold_round_times()
         if self.last_batch is not None:
             self.probe_state[self.last_batch] = (self.off_rounds, self.wait)
@@ -391,11 +397,12 @@ class AutoDepth(DepthPolicy):
         if self.learn_cost and self.plain_timed < COST_MIN_PLAIN:
             return 0  # time plain rounds first: drafted rounds' costs are judged against them
         if left is None:  # open-ended rows: predicted tokens per second at each depth
-            rate = self.expected_emitted()[np.array(live, dtype=bool)].sum(axis=0) / self.round_cost
+            rate = probe_rate = self.expected_emitted()[np.array(live, dtype=bool)].sum(axis=0) / self.round_cost
         else:  # budgets left: the inverse of the predicted seconds until the batch finishes, the
             # last round priced as a plain one (few tokens are left then, and auto can drop depth)
             rounds = self.finish_rounds(live, left)
             rate = 1.0 / ((rounds - 1.0) * self.round_cost + self.round_cost[0])
+            probe_rate = 1.0 / (rounds * self.round_cost)  # a probe round runs drafted whatever is left
         best = int(np.argmax(rate))  # first maximum: ties go to the smaller depth
         if best > 0 and rate[best] <= rate[0] * (1.0 + self.margin):
             best = 0
@@ -403,8 +410,11 @@ class AutoDepth(DepthPolicy):
             self.off_rounds, self.wait = 0, self.probe_every
             return self._recheck(rate, best)
         self.off_rounds, self.on_rounds = self.off_rounds + 1, 0
-        # re-probe: nothing is observed while off
-        if self.off_rounds > min(self.wait, self._probe_cap(rate)):
+        # re-probe: nothing is observed while off. Not in a round where no live row has more than
+        # one token left: there a probe emits nothing more than a plain round and costs a drafted
+        # round (session 18: every 24-token call's last round was a probe, ~3% of a call at 1B B = 2)
+        last = left is not None and max((n for n, on in zip(left, live) if on), default=0) <= 1
+        if not last and self.off_rounds > min(self.wait, self._probe_cap(probe_rate)):
             self.off_rounds, self.wait = 0, min(2 * self.wait, self.probe_max)
             return self.depths[1]
         return 0
@@ -417,7 +427,9 @@ class AutoDepth(DepthPolicy):
         free, and a 64-round wait is slow to notice a workload that began to accept more (session 17,
         1B replay, B = 2: after calls at 60% acceptance, where depth 2 fell ~5% short, auto ran two of
         three 24-token calls at 90% acceptance plain, 0.83x of depth 2; with the cap 0.80x, as each
-        call's rows still start from a pooled memory the earlier calls dominate)."""
+        call's rows still start from a pooled memory the earlier calls dominate: :data:`CALL_OBS`).
+        ``rate`` prices every round at its depth, the last one included: the finish-time rates
+        price the last round as plain at every depth, which read a probe near a call's end as free."""
         shortfall = max(0.0, 1.0 - float(rate[1] / rate[0]))
         loss = shortfall * float(self.round_cost[1] / self.round_cost[0])
         return max(self.probe_every, int(np.ceil(loss / PROBE_BUDGET)))

@@ -212,6 +212,37 @@ def test_memory_pools_whole_calls_not_the_rows_latest_rounds():
     assert ewma < 0.35
 
 
+def test_one_call_adds_at_most_call_obs_observations_to_the_memory():
+    """A call is one sample of the workload whatever its batch: a B = 4 call drafting depth 4 for
+    13 rounds (52 observations at position 1) enters the memory as CALL_OBS of them, so a later
+    B = 2 call's 8 observations move it (session 17: at 1B, beta 0.9, B = 2, the memory still held
+    the B = 4 calls at beta 0.6 for 2-4 calls and each call started below break-even)."""
+    pol = AutoDepth([4], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
+    pol._reset(4, 4)
+    for _ in range(13):
+        pol._update(4, [3] * 4, [True] * 4)  # every row accepts drafts 1-2, rejects draft 3
+    pol._reset(2, 2)
+    assert pol.mem_cnt.tolist() == pytest.approx([adaptive.CALL_OBS] * 3 + [0.0])
+    assert pol.pooled_acceptance()[:3].tolist() == pytest.approx([1.0, 1.0, 0.0])
+    for _ in range(4):
+        pol._update(4, [1, 1], [True, True])  # the workload changed: nothing accepted
+    pol._reset(2, 2)
+    keep = adaptive.MEMORY_KEEP * adaptive.CALL_OBS
+    assert pol.pooled_acceptance()[0] == pytest.approx(keep / (keep + 8.0))  # 1/3 (counts uncapped: 0.76)
+
+
+def test_no_probe_in_a_round_that_can_only_emit_one_token():
+    """A probe in a round where every live row has one token left emits nothing a plain round
+    would not and costs a drafted round (session 18: every 24-token call at 1B ended on one)."""
+    pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
+    pol._reset(2, 2)
+    for _ in range(20):
+        pol._update(2, [1, 1], [True, True])  # a useless draft: auto is off
+    pol.off_rounds = pol.wait + 1  # a probe is due
+    assert pol._decide([True, True], [1, 1]) == 0
+    assert pol._decide([True, False], [2, 0]) == 2  # a live row has two tokens left: it probes
+
+
 def test_pooled_memory_keeps_its_weight_through_a_row_s_unlucky_rounds():
     """Depth 2 costs 1.16x a plain round and the workload accepts 30% (pays from ~17%): after
     calls that saw 30%, a new row's three rejections in a row do not switch speculation off; its
