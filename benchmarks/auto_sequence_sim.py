@@ -7,10 +7,13 @@ policy object carries its memory from call to call as it does in the benchmark.
     python benchmarks/auto_sequence_sim.py benchmarks/results/batch_cpu_s17_llama1b_eager_b2_4_probecap.json \
         --betas 0.3,0.6,0.9 --batch-sizes 2,4 --seeds 3
 
-Prints, per (β, B), auto's time over the best fixed depth's expected time for each call (warm-up
-first) and the last call's depths; with ``--traces``, every call's depths and the pooled
-acceptance memory after it. Session 17 used it to find why auto lagged at β = 0.9, B = 2 after
-calls at β = 0.6 (the pooled memory, weighted by counts, was dominated by the B = 4 calls)."""
+Prints, per (β, B), the best fixed depth's expected time over auto's time for each call (warm-up
+first; above 1: auto faster) and the last call's depths; with ``--traces``, every call's depths and
+the pooled acceptance memory after it. Then, over all seeds, that ratio for the timed calls summed
+(a call's own draws make single calls noisy: about ±0.02 at 30 seeds) and the share of seeds whose
+median timed call, batch_bench's statistic, is under 0.95. Session 17 used it to find why auto
+lagged at β = 0.9, B = 2 after calls at β = 0.6 (the pooled memory, weighted by counts, was
+dominated by the B = 4 calls); session 18 to find that every call ended on a probe."""
 from __future__ import annotations
 
 import argparse
