@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from specgraph.adaptive import MARGIN
 from specgraph.perfmodel import (AcceptanceProfile, CostCurve, CostModel, predicted_speedup, predicted_workload_speedup,
                                  recommend_gamma)
 
@@ -65,7 +66,11 @@ class Plan:
         p = cls(cost, profile, {}, {}, measured, samples, meta, rows)
         for b in batch_sizes:
             s = {g: p.speedup(g, b) for g in depths}
-            p.recommended[b] = max(depths, key=lambda g: (s[g] > 1.0 + 1e-12, s[g], -g)) if max(s.values()) > 1 else 0
+            # a depth predicted less than auto's MARGIN faster than plain is not recommended: it
+            # costs graphs and, within the fit's error, may be slower (session 18: B = 4 recommended
+            # γ = 7 at a predicted 1.00x, measured 0.94x)
+            best = max(depths, key=lambda g: (s[g], -g))
+            p.recommended[b] = best if s[best] > 1.0 + MARGIN else 0
         shown = sorted({*depths, *(g for row in p.measured.values() for g in row)})
         p.predicted = {b: {g: p.speedup(g, b) for g in shown} for b in batch_sizes}
         return p
