@@ -54,11 +54,11 @@ doubling the wait after each probe that does not switch speculation back on (up 
 and to no more than keeps the probes' predicted cost under ``PROBE_BUDGET`` of the time: a probe of
 a draft just short of paying is nearly free) and resetting it once it does; the schedule carries
 over from one call to the next at the same batch bucket. No probe runs in a round where no row has
-more than one token left (it would emit nothing more than a plain round). Within a call the choices are a pure
-function of the observed counts and of the state at the call's start (the round times are folded in
-only between calls): the same seed on an object in the same state (a new one, or after
-:meth:`AutoDepth.forget`) gives the same sequence of depths. With ``learn_cost=False`` the times are
-not used at all.
+more than one token left (it would emit nothing more than a plain round). Within a call the choices
+are a pure function of the observed counts and of the state at the call's start (the round times
+are folded in only between calls): the same seed on an object in the same state (a new one, or
+after :meth:`AutoDepth.forget`) gives the same sequence of depths. With ``learn_cost=False`` the
+times are not used at all.
 
 The depth is a function of the past only, and every round samples the target's next tokens
 exactly whatever its depth, so the output law (and greedy output) is unchanged.

@@ -700,18 +700,10 @@ def test_plan_measures_fits_recommends_and_round_trips(llama, tmp_path):
 def test_plan_recommends_no_depth_predicted_within_the_margin_of_plain():
     """A depth predicted 1% faster than plain decoding is not recommended (auto's MARGIN, 2%); one
     predicted 10% faster is."""
-    from specgraph.planner import Plan
-
-    class Flat:  # every depth costs what a plain step costs times `ratio`
-        def __init__(self, ratio):
-            self.ratio = ratio
-
-        def round_cost(self, d, b):
-            return 1.0 if d == 0 else self.ratio
-
     prof = AcceptanceProfile.from_beta(0.5)  # depth 2 emits 1.75 tokens per round
     for ratio, want in ((1.75 / 1.01, 0), (1.75 / 1.10, 2)):
-        p = Plan.from_measurements(Flat(ratio), prof, [1], [2])
+        flat = SimpleNamespace(round_cost=lambda d, b, r=ratio: 1.0 if d == 0 else r)  # a drafted round: r plain ones
+        p = Plan.from_measurements(flat, prof, [1], [2])
         assert p.speedup(2, 1) == pytest.approx(1.75 / ratio, rel=0.02)
         assert p.recommended == {1: want}
 
