@@ -78,8 +78,9 @@ PRIOR_ACCEPT = 0.5  # first-position acceptance assumed for a new row without a 
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
 HALFLIFE = 4.0  # an observation's weight halves after this many newer ones at that position
 MEMORY_KEEP = 0.5  # the weight the pooled memory keeps with each later call
-CALL_OBS = 8.0  # the most observations one call adds to the memory at a position
+CALL_OBS = 16.0  # the most observations one call adds to the memory at a position
 POOL_WEIGHT = 4.0  # the most observations the pooled memory counts as in a row's estimate (it does not fade)
+POOL_MAX = 32.0  # the most observations the batch's other rows count as in a row's estimate, rows alike
 PROBE_EVERY = 8  # plain rounds before the first re-probe
 PROBE_MAX = 64  # the longest wait between re-probes
 PROBE_BUDGET = 0.01  # the predicted share of plain decoding's time re-probes may cost
@@ -91,6 +92,15 @@ COST_NEAR = 4  # a drafted round is timed only if a plain round of its call ran 
 RECHECK_FIRST = 16  # drafted rounds without a plain one before the first cost re-check at a batch bucket
 RECHECK_BAND = 0.5  # re-check only while the runner-up's predicted rate is within this fraction of the best's
 AUTO_DRAFTS = ("ngram", "suffix", "model", "custom")
+
+
+def _beta_binomial_weight(num: float, den: float) -> float | None:
+    """1 / rho - 1 in [0, POOL_MAX] for the correlation rho = num / den of two draws of one row (or
+    call) read off squared deviations beyond binomial ones (None: no such pair drawn yet)."""
+    if den <= 0.0:
+        return None
+    rho = max(num / den, 1.0 / (POOL_MAX + 1.0))
+    return float(np.clip(1.0 / rho - 1.0, 0.0, POOL_MAX))
 
 
 class DepthPolicy:
@@ -243,6 +253,9 @@ class AutoDepth(DepthPolicy):
         self.mem_acc, self.mem_cnt = np.zeros(K), np.zeros(K)  # pooled counts per position, halved per call
         self.acc, self.cnt = np.zeros((0, K)), np.zeros((0, K))
         self.seen_acc, self.seen_cnt = np.zeros(K), np.zeros(K)  # this call's counts per position, undecayed
+        self.row_acc, self.row_cnt = np.zeros((0, K)), np.zeros((0, K))  # the same per row
+        self.spread = np.zeros(2)  # rows' excess spread, its binomial scale: summed over calls, halved per call
+        self.drift = np.zeros(2)  # the same for calls' acceptance around what the memory predicted
         self.timed: dict[int, dict[int, list[float]]] = {}  # batch -> depth -> latest (seconds / modelled cost)
         self.probe_state: dict[int, tuple[int, int]] = {}  # batch -> (plain rounds since the last probe, wait)
         self.recheck_state: dict[int, tuple[int, int]] = {}  # batch -> (drafted rounds since a plain one, wait)
@@ -257,9 +270,11 @@ class AutoDepth(DepthPolicy):
         # CALL_OBS of them per position: a call is one sample of the workload whatever its batch, and
         # counted whole a B = 4 call drafting depth 4 (~50 observations) outweighed the later B = 2
         # calls mostly plain (2 per probe) for 2-4 calls after the workload changed (session 17)
+        self.drift = MEMORY_KEEP * self.drift + self._call_drift()
         scale = np.minimum(1.0, CALL_OBS / np.maximum(self.seen_cnt, 1.0))
         self.mem_acc = MEMORY_KEEP * self.mem_acc + scale * self.seen_acc
         self.mem_cnt = MEMORY_KEEP * self.mem_cnt + scale * self.seen_cnt
+        self.spread = MEMORY_KEEP * self.spread + self._row_spread()
         self._fold_round_times()
         if self.last_batch is not None:
             self.probe_state[self.last_batch] = (self.off_rounds, self.wait)
@@ -267,6 +282,7 @@ class AutoDepth(DepthPolicy):
         self.acc = np.zeros((n_rows, K))  # decayed count of accepted drafts at each position
         self.cnt = np.zeros((n_rows, K))  # decayed count of drafts that reached each position
         self.seen_acc, self.seen_cnt = np.zeros(K), np.zeros(K)
+        self.row_acc, self.row_cnt = np.zeros((n_rows, K)), np.zeros((n_rows, K))
         # one round's cost at each depth for this batch bucket (the padded rows run too)
         self.last_batch = batch
         self.model_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
@@ -333,19 +349,82 @@ class AutoDepth(DepthPolicy):
         # After n observations it is prior_weight * decay**n, and cnt = (1 - decay**n) / (1 - decay)
         pw = self.prior_weight * np.clip(1.0 - (1.0 - self.decay) * self.cnt, 0.0, 1.0)
         pooled = self.pooled_acceptance()
+        # what the workload accepted over earlier calls keeps its weight (up to pool_weight
+        # observations): a row's EWMA holds ~6, and at B = 1 and 30% acceptance it alone reads below
+        # the ~17% that pays for depth 2 after any three rejections in a row
+        w_mem, w_rows = self.memory_weight(), self.rows_weight()
+        mem_w = np.where(np.isnan(pooled), 0.0, np.minimum(max(self.pool_weight, w_mem), self.mem_cnt))
+        # and so do the batch's other rows, as far as rows_weight says rows accept alike: then a
+        # row's prior is the workload's acceptance as the memory and the other rows read it
+        rows_on = float(bool(w_rows))
+        other_cnt = mem_w + rows_on * (self.cnt.sum(axis=0) - self.cnt)  # [rows, K]
+        other_acc = mem_w * np.nan_to_num(pooled) + rows_on * (self.acc.sum(axis=0) - self.acc)
+        # what that prior is worth to one row: as much as rows were seen to differ; with only
+        # one-row calls seen, as much as calls were (a call is a row then)
+        cap = max(self.pool_weight, w_mem if w_rows is None else w_rows)
         alpha = np.empty_like(self.acc)
         prev = np.full(self.acc.shape[0], self.prior)
         for j in range(self.acc.shape[1]):
-            if np.isnan(pooled[j]):
-                prior, w = prev, pw[:, j]
-            else:
-                # what the workload accepted over earlier calls keeps its weight (up to pool_weight
-                # observations): a row's EWMA holds ~6, and at B = 1 and 30% acceptance it alone
-                # reads below the ~17% that pays for depth 2 after any three rejections in a row
-                prior, w = pooled[j], np.maximum(pw[:, j], min(self.pool_weight, self.mem_cnt[j]))
+            known = other_cnt[:, j] >= 1.0
+            prior = prev if np.isnan(pooled[j]) else np.full_like(prev, pooled[j])
+            prior = np.where(known, other_acc[:, j] / np.where(known, other_cnt[:, j], 1.0), prior)
+            w = np.maximum(pw[:, j], np.minimum(cap, other_cnt[:, j]))
             alpha[:, j] = (self.acc[:, j] + w * prior) / (self.cnt[:, j] + w)
             prev = alpha[:, j]
         return alpha
+
+    def rows_weight(self) -> float | None:
+        """How many observations a row's estimate gives the rest of the batch and the memory
+        together, as far as the rows of earlier calls accepted alike (up to :data:`POOL_MAX`; None
+        until a call with several rows has drafted). As a beta-binomial: rows' acceptances spread
+        around the workload's with intra-row correlation rho (estimated from calls' per-row counts,
+        :meth:`_row_spread`), and a row's fair prior weight is 1 / rho - 1 observations. Judged alone,
+        a row's ~6 observations read a 60% draft as 34% after three rejections, and a batch runs
+        until its slowest row is done, so the least lucky of B rows' estimates decided the batch
+        (session 18, 1B replay beta = 0.6, B = 4: auto 0.86x of depth 4 and mostly plain)."""
+        return _beta_binomial_weight(*self.spread)
+
+    def memory_weight(self) -> float:
+        """How many observations the pooled memory counts as (at least ``pool_weight``, up to
+        :data:`POOL_MAX`, and no more than it holds): as many as it has predicted the next call's
+        acceptance well (:meth:`_call_drift`, the same beta-binomial reading across calls). A
+        memory worth 4 observations was outweighed by one B = 4 round: four rejections at a 60%
+        draft (2.6% of rounds) read as 32% and switched a call off for good (session 19, simulated),
+        while a workload that changes from call to call needs a memory that fades."""
+        w = _beta_binomial_weight(*self.drift)
+        return self.pool_weight if w is None else max(self.pool_weight, w)
+
+    def _call_drift(self) -> np.ndarray:
+        """[2]: the last call's squared deviation from what the memory predicted at each position
+        beyond what binomial draws (and the memory's own count) explain, and its scale, summed over
+        positions: with x accepted of n drafts, p the memory's acceptance over M observations,
+        E[(x - n p)^2] ~ n p (1 - p) (1 + n / M) + n^2 p (1 - p) rho."""
+        p, M = self.pooled_acceptance(), self.mem_cnt
+        n, x = self.seen_cnt, self.seen_acc
+        ok = ~np.isnan(p) & (n >= 1)
+        p, M, n, x = p[ok], M[ok], n[ok], x[ok]
+        v = p * (1.0 - p)
+        ok = v > 0
+        num = (x - n * p) ** 2 - n * v * (1.0 + n / np.maximum(M, 1.0))
+        return np.array([num[ok].sum(), (n * n * v)[ok].sum()])
+
+    def _row_spread(self) -> np.ndarray:
+        """[2]: the last call's rows' squared deviations from the batch's acceptance beyond what
+        binomial draws give, and its scale, summed over positions (their ratio estimates rho, the
+        correlation of two draws of one row). Rows with x_i accepted of n_i drafts at a position,
+        N = sum n_i, m = sum x_i / N: E[sum (x_i - n_i m)^2] ~ m (1 - m) sum n_i (1 - n_i / N) (1 +
+        (n_i - 1) rho), summed over the rows with n_i >= 2. A one-row call says nothing: (0, 0)."""
+        n, x = self.row_cnt, self.row_acc  # [rows, K]
+        N = n.sum(axis=0)
+        m = x.sum(axis=0) / np.maximum(N, 1.0)
+        v = m * (1.0 - m)
+        share = 1.0 - n / np.maximum(N, 1.0)
+        # a row drafted once at a position has no spread of its own to weigh: its term is noise
+        two = n >= 2
+        num = (two * ((x - n * m) ** 2 - v * n * share)).sum(axis=0)
+        den = v * (two * n * (n - 1.0) * share).sum(axis=0)
+        ok = (N >= 2) & (v > 0)
+        return np.array([num[ok].sum(), den[ok].sum()])
 
     def pooled_acceptance(self) -> np.ndarray:
         """[K] what earlier calls observed at each position (NaN where under one observation)."""
@@ -473,6 +552,8 @@ class AutoDepth(DepthPolicy):
         hit = (j[None, :] < a[:, None]).astype(np.float64)
         self.acc = np.where(reached, self.decay * self.acc + hit, self.acc)
         self.cnt = np.where(reached, self.decay * self.cnt + 1.0, self.cnt)
+        self.row_acc += hit * reached
+        self.row_cnt += reached
         self.seen_acc += (hit * reached).sum(axis=0)
         self.seen_cnt += reached.sum(axis=0)
 

@@ -142,9 +142,10 @@ def test_replay_beta_turns_speculation_off_or_keeps_it_on(llama, beta):
     if beta == 1.0:
         # every draft of the continuation is accepted: from the first drafted round (at once, or the
         # first re-probe: the prior's predicted gain is marginal for 4 rows under the built-in curve)
-        # auto drafts every round, and goes to the deepest compiled depth
+        # auto drafts every round, and goes to the deepest compiled depth (but for a last round
+        # where every row has one token left: plain decoding emits it as well and costs less)
         on = trace.index(2)
-        assert on in (COST_MIN_PLAIN, COST_MIN_PLAIN + PROBE_EVERY) and 0 not in trace[on:], trace
+        assert on in (COST_MIN_PLAIN, COST_MIN_PLAIN + PROBE_EVERY) and 0 not in trace[on:-1], trace
         assert 8 in trace and fast.stats.accepted >= 0.9 * fast.stats.drafted, (trace, fast.stats)
     else:
         assert fast.stats.accepted == 0
