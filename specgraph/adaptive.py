@@ -21,7 +21,13 @@ size), and in a row's estimate it keeps the weight of up to ``pool_weight`` obse
 many the row has made: a row's EWMA holds ~6, too few to place an acceptance near the break-even
 one on the right side (session 14: at B = 1 and 30% acceptance, where depth 2 paid from ~17%, three
 rejections in a row switched speculation off, and probes backing off to every 64 rounds rarely
-switched it back on: auto ran 0.78x of depth 2).
+switched it back on: auto ran 0.78x of depth 2). How much more than that the memory, and the
+batch's other rows, count for in a row's estimate is read off past calls as in a beta-binomial
+model (up to ``POOL_MAX`` observations): the memory as much as it predicted each next call's
+acceptance (a workload that changes from call to call keeps it at ``pool_weight``), the other rows
+as much as rows of one call were seen to accept alike. Prompts that differ keep each row to its
+own counts and the memory's ``pool_weight``; rows drawn from one acceptance (session 18's replay benchmark, B = 4 at 60%) stop a
+single round that rejected every row's first draft from reading as 32% and switching a call off.
 Each round, the depth d minimising the predicted seconds until the batch is done
 
     E[max over live rows of the rounds to emit what ``max_new_tokens`` leaves the row](d) x round_cost(d, B)

@@ -263,6 +263,64 @@ def test_pooled_memory_keeps_its_weight_through_a_row_s_unlucky_rounds():
     assert decisions == {4.0: 2, 0.0: 0}
 
 
+def replay_calls(pol, betas, B, rounds=8, depth=4, seed=0):
+    """One call per entry of ``betas`` ([call] or [call][row] acceptance), each of ``rounds`` rounds
+    at ``depth`` on a B-row batch, every draft accepted with that probability until the first miss;
+    the last call is folded into the memory (a new call starts)."""
+    rng = np.random.default_rng(seed)
+    for beta in betas:
+        pol._reset(B, B)
+        p = np.broadcast_to(np.asarray(beta, dtype=np.float64), (B,))
+        for _ in range(rounds):
+            hits = rng.random((B, depth)) < p[:, None]
+            pol._update(depth, list(1 + np.cumprod(hits, axis=1).sum(axis=1)), [True] * B)
+    pol._reset(B, B)
+
+
+def test_rows_weight_reads_whether_the_batch_s_rows_accept_alike():
+    """Before any call with several rows drafted, nothing is said (None: rows lean on the memory
+    alone); after calls whose rows all accept 60%, a row's prior is worth many observations
+    (up to POOL_MAX); after calls whose rows accept 5% or 95%, hardly any."""
+    cost = CostModel(LinearCost(1.0, 0.05))
+    alike, apart = AutoDepth([4], cost, learn_cost=False), AutoDepth([4], cost, learn_cost=False)
+    assert alike.rows_weight() is None
+    replay_calls(alike, [[0.6] * 4] * 6, 4)
+    replay_calls(apart, [[0.05, 0.95] * 2] * 6, 4)
+    assert alike.rows_weight() >= 16 and apart.rows_weight() <= 1, (alike.rows_weight(), apart.rows_weight())
+    one_row = AutoDepth([4], cost, learn_cost=False)
+    replay_calls(one_row, [0.6] * 6, 1)
+    assert one_row.rows_weight() is None  # one-row calls show no spread across rows
+
+
+def test_memory_weight_grows_while_calls_agree_and_falls_when_the_workload_changes():
+    """The memory counts as many observations as it has predicted calls' acceptance well: at
+    least pool_weight, near POOL_MAX after calls at one acceptance, and back to pool_weight once
+    calls alternate between 10% and 90%."""
+    pol = AutoDepth([4], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
+    assert pol.memory_weight() == adaptive.POOL_WEIGHT
+    replay_calls(pol, [0.6] * 8, 4)
+    assert pol.memory_weight() >= 16, pol.memory_weight()
+    replay_calls(pol, [0.1, 0.9] * 3, 4, seed=1)
+    assert pol.memory_weight() == adaptive.POOL_WEIGHT
+
+
+def test_one_unlucky_round_does_not_switch_a_batch_off(monkeypatch):
+    """1B replay cost at B = 4 (depth 2: 1.63x a plain round, depth 4: 1.65x), calls at 60%: depth 4
+    pays. A new call's first round rejects every row's first draft (2.6% of rounds): with the
+    memory and the other rows counting as what they were seen to be worth, auto keeps drafting;
+    with both held to pool_weight (POOL_MAX = 4) the four rejections read as 32% acceptance and
+    switched the call off (session 19, the simulator's traces of the 0.86x cell)."""
+    cost = SimpleNamespace(round_cost=lambda d, b: {0: 1.0, 2: 1.63, 4: 1.65}[d])
+    decisions, caps = {}, (adaptive.POOL_MAX, adaptive.POOL_WEIGHT)
+    for cap in caps:
+        monkeypatch.setattr(adaptive, "POOL_MAX", cap)
+        pol = AutoDepth([2, 4], cost, learn_cost=False)
+        replay_calls(pol, [0.6] * 8, 4)
+        pol._update(4, [1] * 4, [True] * 4)
+        decisions[cap] = pol._decide([True] * 4, np.full(4, 23))
+    assert decisions == {caps[0]: 4, caps[1]: 0}, decisions
+
+
 def simulate_replay(pol, beta, cost, seed, fixed=0, calls=20, max_new=24, drift=False):
     """Tokens per second of ``pol`` (None: depth ``fixed`` every round) on one row accepting each
     draft i.i.d. with probability ``beta`` (fresh draws every call), calls of ``max_new`` tokens, a
