@@ -26,8 +26,9 @@ batch's other rows, count for in a row's estimate is read off past calls as in a
 model (up to ``POOL_MAX`` observations): the memory as much as it predicted each next call's
 acceptance (a workload that changes from call to call keeps it at ``pool_weight``), the other rows
 as much as rows of one call were seen to accept alike. Prompts that differ keep each row to its
-own counts and the memory's ``pool_weight``; rows drawn from one acceptance (session 18's replay benchmark, B = 4 at 60%) stop a
-single round that rejected every row's first draft from reading as 32% and switching a call off.
+own counts and the memory's ``pool_weight``; rows drawn from one acceptance (session 18's replay
+benchmark, B = 4 at 60%) stop a single round that rejected every row's first draft from reading
+as 32% and switching a call off.
 Each round, the depth d minimising the predicted seconds until the batch is done
 
     E[max over live rows of the rounds to emit what ``max_new_tokens`` leaves the row](d) x round_cost(d, B)
@@ -85,8 +86,8 @@ PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
 HALFLIFE = 4.0  # an observation's weight halves after this many newer ones at that position
 MEMORY_KEEP = 0.5  # the weight the pooled memory keeps with each later call
 CALL_OBS = 16.0  # the most observations one call adds to the memory at a position
-POOL_WEIGHT = 4.0  # the most observations the pooled memory counts as in a row's estimate (it does not fade)
-POOL_MAX = 32.0  # the most observations the batch's other rows count as in a row's estimate, rows alike
+POOL_WEIGHT = 4.0  # observations the pooled memory counts as in a row's estimate at least (it does not fade)
+POOL_MAX = 32.0  # the most the memory and the batch's other rows count as, when calls and rows accepted alike
 PROBE_EVERY = 8  # plain rounds before the first re-probe
 PROBE_MAX = 64  # the longest wait between re-probes
 PROBE_BUDGET = 0.01  # the predicted share of plain decoding's time re-probes may cost
@@ -355,9 +356,9 @@ class AutoDepth(DepthPolicy):
         # After n observations it is prior_weight * decay**n, and cnt = (1 - decay**n) / (1 - decay)
         pw = self.prior_weight * np.clip(1.0 - (1.0 - self.decay) * self.cnt, 0.0, 1.0)
         pooled = self.pooled_acceptance()
-        # what the workload accepted over earlier calls keeps its weight (up to pool_weight
-        # observations): a row's EWMA holds ~6, and at B = 1 and 30% acceptance it alone reads below
-        # the ~17% that pays for depth 2 after any three rejections in a row
+        # what the workload accepted over earlier calls keeps its weight (pool_weight observations,
+        # more as memory_weight says): a row's EWMA holds ~6, and at B = 1 and 30% acceptance it
+        # alone reads below the ~17% that pays for depth 2 after any three rejections in a row
         w_mem, w_rows = self.memory_weight(), self.rows_weight()
         mem_w = np.where(np.isnan(pooled), 0.0, np.minimum(max(self.pool_weight, w_mem), self.mem_cnt))
         # and so do the batch's other rows, as far as rows_weight says rows accept alike: then a
