@@ -259,8 +259,7 @@ class AutoDepth(DepthPolicy):
         K = self.depths[-1]
         self.mem_acc, self.mem_cnt = np.zeros(K), np.zeros(K)  # pooled counts per position, halved per call
         self.acc, self.cnt = np.zeros((0, K)), np.zeros((0, K))
-        self.seen_acc, self.seen_cnt = np.zeros(K), np.zeros(K)  # this call's counts per position, undecayed
-        self.row_acc, self.row_cnt = np.zeros((0, K)), np.zeros((0, K))  # the same per row
+        self.row_acc, self.row_cnt = np.zeros((0, K)), np.zeros((0, K))  # this call's counts per row, undecayed
         self.spread = np.zeros(2)  # rows' excess spread, its binomial scale: summed over calls, halved per call
         self.drift = np.zeros(2)  # the same for calls' acceptance around what the memory predicted
         self.timed: dict[int, dict[int, list[float]]] = {}  # batch -> depth -> latest (seconds / modelled cost)
@@ -277,10 +276,11 @@ class AutoDepth(DepthPolicy):
         # CALL_OBS of them per position: a call is one sample of the workload whatever its batch, and
         # counted whole a B = 4 call drafting depth 4 (~50 observations) outweighed the later B = 2
         # calls mostly plain (2 per probe) for 2-4 calls after the workload changed (session 17)
-        self.drift = MEMORY_KEEP * self.drift + self._call_drift()
-        scale = np.minimum(1.0, CALL_OBS / np.maximum(self.seen_cnt, 1.0))
-        self.mem_acc = MEMORY_KEEP * self.mem_acc + scale * self.seen_acc
-        self.mem_cnt = MEMORY_KEEP * self.mem_cnt + scale * self.seen_cnt
+        seen_acc, seen_cnt = self.row_acc.sum(axis=0), self.row_cnt.sum(axis=0)
+        self.drift = MEMORY_KEEP * self.drift + self._call_drift(seen_acc, seen_cnt)
+        scale = np.minimum(1.0, CALL_OBS / np.maximum(seen_cnt, 1.0))
+        self.mem_acc = MEMORY_KEEP * self.mem_acc + scale * seen_acc
+        self.mem_cnt = MEMORY_KEEP * self.mem_cnt + scale * seen_cnt
         self.spread = MEMORY_KEEP * self.spread + self._row_spread()
         self._fold_round_times()
         if self.last_batch is not None:
@@ -288,7 +288,6 @@ class AutoDepth(DepthPolicy):
             self.recheck_state[self.last_batch] = (self.on_rounds, self.recheck_wait)
         self.acc = np.zeros((n_rows, K))  # decayed count of accepted drafts at each position
         self.cnt = np.zeros((n_rows, K))  # decayed count of drafts that reached each position
-        self.seen_acc, self.seen_cnt = np.zeros(K), np.zeros(K)
         self.row_acc, self.row_cnt = np.zeros((n_rows, K)), np.zeros((n_rows, K))
         # one round's cost at each depth for this batch bucket (the padded rows run too)
         self.last_batch = batch
@@ -401,13 +400,12 @@ class AutoDepth(DepthPolicy):
         w = _beta_binomial_weight(*self.drift)
         return self.pool_weight if w is None else max(self.pool_weight, w)
 
-    def _call_drift(self) -> np.ndarray:
+    def _call_drift(self, x: np.ndarray, n: np.ndarray) -> np.ndarray:
         """[2]: the last call's squared deviation from what the memory predicted at each position
         beyond what binomial draws (and the memory's own count) explain, and its scale, summed over
-        positions: with x accepted of n drafts, p the memory's acceptance over M observations,
-        E[(x - n p)^2] ~ n p (1 - p) (1 + n / M) + n^2 p (1 - p) rho."""
+        positions: with x accepted of n drafts ([K] each, the call's), p the memory's acceptance over
+        M observations, E[(x - n p)^2] ~ n p (1 - p) (1 + n / M) + n^2 p (1 - p) rho."""
         p, M = self.pooled_acceptance(), self.mem_cnt
-        n, x = self.seen_cnt, self.seen_acc
         ok = ~np.isnan(p) & (n >= 1)
         p, M, n, x = p[ok], M[ok], n[ok], x[ok]
         v = p * (1.0 - p)
@@ -561,8 +559,6 @@ class AutoDepth(DepthPolicy):
         self.cnt = np.where(reached, self.decay * self.cnt + 1.0, self.cnt)
         self.row_acc += hit * reached
         self.row_cnt += reached
-        self.seen_acc += (hit * reached).sum(axis=0)
-        self.seen_cnt += reached.sum(axis=0)
 
 
 # ----------------------------------------------------------------------------------------------
