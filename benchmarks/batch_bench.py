@@ -171,6 +171,8 @@ def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
                 rows[-1]["cost_factors"] = dict(zip(fast.policy.depths, fast.policy.cost_factors(B).tolist()))
                 rows[-1]["modelled_round_ms"] = dict(zip(fast.policy.depths,
                                                          [1e3 * fast.policy.cost.round_cost(d, B) for d in fast.policy.depths]))
+                # how much a row's estimate leans on the other rows and on the memory (observations)
+                rows[-1]["rows_weight"], rows[-1]["memory_weight"] = fast.policy.rows_weight(), fast.policy.memory_weight()
             say(f"{name} B={B} {method}: {results[method]:.1f} tok/s, {rows[-1]['tokens_per_row_round']:.2f} "
                 f"per row per round, depths {dict(sorted(hist.items()))}, round ms "
                 f"{ {d: round(t, 1) for d, t in round_ms.items()} }, equal={equal}")
@@ -199,7 +201,8 @@ def summary(rows) -> list[dict]:
         out.append({"workload": r["workload"], "batch": r["batch"], "auto_vs_best": r["auto_vs_best_of_off_and_fixed"],
                     "auto_vs_best_fixed": r["auto_vs_best_fixed"], "meets_targets": bool(ok_any and ok_b1),
                     "best_method": best["method"], "auto_vs_best_paired": paired, "auto_depths": ran,
-                    "auto_share_at_best_depth": ran.get(best["gamma"], 0) / max(sum(ran.values()), 1)})
+                    "auto_share_at_best_depth": ran.get(best["gamma"], 0) / max(sum(ran.values()), 1),
+                    "rows_weight": r.get("rows_weight"), "memory_weight": r.get("memory_weight")})
     return out
 
 

@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 
 from specgraph.adaptive import MARGIN
-from specgraph.perfmodel import (AcceptanceProfile, CostCurve, CostModel, predicted_speedup, predicted_workload_speedup,
-                                 recommend_gamma)
+from specgraph.perfmodel import AcceptanceProfile, CostCurve, CostModel, predicted_speedup, predicted_workload_speedup
 
 DEFAULT_GRID = (1, 2, 3, 5, 9, 17, 33, 65)  # N query tokens per row = depths 0, 1, 2, 4, ..., 64
 DEFAULT_MEASURE_DEPTHS = (1, 2, 4, 8)

@@ -314,3 +314,19 @@ def test_workload_speedup_static_batches():
     assert s4 == pytest.approx(AcceptanceProfile.from_beta(0.1).expected_emitted(4) * cost.round_cost(0, 4) / cost.round_cost(4, 4))
     assert predicted_workload_speedup(rows, cost, 4, 1) > s4
     assert predicted_workload_speedup(rows, cost, 0, 4) == 1.0
+
+
+def test_workload_speedup_counts_a_cycled_sequence_once_for_drafting():
+    """A sequence cycled into a batch twice decodes the same way twice: its copies draft in the same
+    rounds, so a batch of copies drafts as often as one row does, not as four independent rows."""
+    from specgraph.perfmodel import predicted_workload_speedup
+
+    cost = CostModel(LinearCost(1.0, 0.05), draft_step={1: 0.02, 4: 0.05})
+    sparse = AcceptanceProfile([0.8, 0.6, 0.4], draft_rate=0.1)  # prompt lookup: a match in 10% of rounds
+    copies = predicted_workload_speedup([(sparse, 48)], cost, 3, 4)
+    t0, t3 = cost.round_cost(0, 4), cost.round_cost(3, 4)
+    assert copies == pytest.approx(sparse.expected_emitted(3) * t0 / (0.1 * t3 + 0.9 * t0))
+    # four distinct sequences with the same profile draft independently: a drafted round 1 - 0.9^4 of the time
+    distinct = predicted_workload_speedup([(sparse, 48)] * 4, cost, 3, 4)
+    assert distinct == pytest.approx(sparse.expected_emitted(3) * t0 / (0.3439 * t3 + 0.6561 * t0))
+    assert distinct < copies
