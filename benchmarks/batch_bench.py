@@ -130,6 +130,21 @@ def run_batches(fast, batches, max_new_tokens, pad, method, gamma, run=-1):
     return outs, tokens, rounds, depths, times
 
 
+def _source_commit() -> str | None:
+    """The git commit the imported specgraph came from (+ "-dirty" when its tree has changes): which
+    policy a sweep measured, so that only sweeps of one policy are pooled (batch_pool.py)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(specgraph.__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "specgraph", "passes", "kernels"],
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None  # installed from a wheel, or no git
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def _kind(method: str) -> str:
     return "fixed" if method.startswith("gamma") else method
 
@@ -333,7 +348,8 @@ def main(argv=None) -> int:
             "autotune": args.autotune,
             "smoke": smoke, "batch_sizes": batch_sizes, "gammas": gammas, "betas": betas,
             "max_new_tokens": args.max_new_tokens, "runs": args.runs, "models": meta_models,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "seconds": time.perf_counter() - t_start}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "seconds": time.perf_counter() - t_start,
+            "commit": _source_commit()}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "summary": summ, "rows": rows}, f, indent=1)

@@ -37,6 +37,9 @@ def test_batch_bench_smoke_writes_equal_outputs_and_the_figures(tmp_path):
         auto_runs = next(r["runs"] for r in auto if r["batch"] == s["batch"])
         ratios = sorted(a / b for a, b in zip(auto_runs, best["runs"]))
         assert s["auto_vs_best_paired"] == pytest.approx(ratios[len(ratios) // 2])
+        # how much auto's rows leaned on the memory (>= its pool_weight floor) and on each other
+        assert s["memory_weight"] >= 4.0 and (s["rows_weight"] is None or s["rows_weight"] >= 0.0)
+    assert "commit" in data["meta"]
 
 
 class _RecordingFast:
