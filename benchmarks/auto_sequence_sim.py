@@ -39,27 +39,40 @@ def accepted(rng, B: int, k: int, beta: float) -> np.ndarray:
     return np.array([next((j for j in range(k) if rng.random() > beta), k) for _ in range(B)])
 
 
-def auto_call(pol, curve, B, beta, n_new, slowdown, rng) -> tuple[list[int], float]:
+def auto_call(pol, price, B, beta, n_new, rng) -> tuple[list[int], float]:
     pol.start(SimpleNamespace(draft="custom", backend="eager", _fns={}), [[1, 2, 3]] * B, B, "cpu")
     left, t0 = np.full(B, n_new), pol.clock.t
     while (left > 0).any():
         done = list(left <= 0)
         k = pol.choose(done, [2] * B, None, list(left))
-        pol.clock.t += curve(k + 1, B) * rng.uniform(0.97, 1.03) * (slowdown if k else 1.0)
+        pol.clock.t += price(k, B) * rng.uniform(0.97, 1.03)
         a = accepted(rng, B, k, beta)
         pol.observe(k, list(a + 1), done, [2] * B)  # the loop reports acceptance, not the budget's cap
         left = left - np.where(left > 0, np.minimum(a + 1, left), 0)
     return list(pol.trace), pol.clock.t - t0
 
 
-def fixed_seconds(curve, B, beta, k, n_new, slowdown, rng, reps=50) -> float:
+def fixed_seconds(price, B, beta, k, n_new, rng, reps=50) -> float:
     total = 0.0
     for _ in range(reps):
         left = np.full(B, n_new)
         while (left > 0).any():
-            total += curve(k + 1, B) * (slowdown if k else 1.0)
+            total += price(k, B)
             left = left - np.minimum(accepted(rng, B, k, beta) + 1, np.maximum(left, 0))
     return total / reps
+
+
+def in_loop_price(rows):
+    """(depth, B) -> seconds of a round: the median over β of the fixed methods' in-loop round times
+    (off: depth 0, γ = k: depth k) in a batch_bench JSON."""
+    times = {}
+    for r in rows:
+        if r["method"] == "off" or r["method"].startswith("gamma="):
+            for d, ms in r["round_ms_median"].items():
+                if int(d) == (r["gamma"] or 0):
+                    times.setdefault((int(d), r["batch"]), []).append(ms / 1e3)
+    table = {key: float(np.median(v)) for key, v in times.items()}
+    return lambda k, B: table[k, B]
 
 
 def main(argv=None) -> int:
@@ -73,10 +86,16 @@ def main(argv=None) -> int:
     ap.add_argument("--drafted-slowdown", type=float, default=1.05)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--traces", action="store_true")
+    ap.add_argument("--in-loop", action="store_true",
+                    help="rounds take the fixed methods' in-loop round times (median over β), while the policy "
+                         "starts from the JSON's cost curve: a curve that misjudges some depths, as measured")
     args = ap.parse_args(argv)
-    meta = json.load(open(args.result))["meta"]
+    result = json.load(open(args.result))
+    meta = result["meta"]
     table = meta["models"]["llama1b"]["cost"]["target"]["table"]
     curve = CostCurve({int(b): {int(n): t for n, t in row.items()} for b, row in table.items()})
+    price = in_loop_price(result["rows"]) if args.in_loop else \
+        (lambda k, B: curve(k + 1, B) * (args.drafted_slowdown if k else 1.0))
     sizes = [int(b) for b in (args.batch_sizes or ",".join(table)).split(",")]
     depths = [int(d) for d in args.depths.split(",")]
     timed = {}  # (beta, B) -> [best expected seconds, auto seconds] summed over seeds' timed calls
@@ -88,11 +107,11 @@ def main(argv=None) -> int:
         print(f"seed {seed}")
         for beta in (float(b) for b in args.betas.split(",")):
             for B in sizes:
-                best = min(fixed_seconds(curve, B, beta, k, args.max_new_tokens, args.drafted_slowdown, rng)
+                best = min(fixed_seconds(price, B, beta, k, args.max_new_tokens, rng)
                            for k in [0, *depths])
                 ratios = []
                 for _ in range(args.calls):
-                    trace, sec = auto_call(pol, curve, B, beta, args.max_new_tokens, args.drafted_slowdown, rng)
+                    trace, sec = auto_call(pol, price, B, beta, args.max_new_tokens, rng)
                     ratios.append(best / sec)
                     if len(ratios) > 1:  # the warm-up call is not timed in batch_bench
                         cell = timed.setdefault((beta, B), [0.0, 0.0])

@@ -158,7 +158,10 @@ def test_replay_beta_turns_speculation_off_or_keeps_it_on(llama, beta):
         assert gaps[:start] in ([], [0]) and len(gaps) - start >= 2, trace
         probes = gaps[start:]
         assert probes[:2] == [8, 16] and all(16 <= b <= 2 * a for a, b in zip(probes[1:], probes[2:])), trace
-        assert all(trace[i] == 2 for i in on), trace  # probes use the smallest depth
+        # probes run each depth not yet run in this call (nor timed at this bucket) once, smallest
+        # first, then the smallest depth: every depth's in-loop cost is read before it is priced
+        untimed = [d for d in (2, 4, 8) if d not in trace[: on[start]]]
+        assert [trace[i] for i in on[start:]] == (untimed + [2] * len(on))[: len(on) - start], trace
 
 
 def test_later_calls_start_from_what_earlier_calls_observed(llama):
@@ -577,6 +580,51 @@ def test_round_costs_learned_in_the_loop_keep_drafts_that_pay():
     rest = [k for i, k in enumerate(second) if i not in checks and i - 1 not in checks]
     assert len(checks) <= 1 and rest == [2] * (40 - 2 * len(checks)), second
     assert all(i >= RECHECK_FIRST and second[i + 1] == 4 for i in checks), second
+
+
+def batch_calls(pol, cost, calls, max_new=24, seed=0):
+    """One call per (acceptance, B) in ``calls`` on a B-row batch of ``max_new``-token rows, each draft
+    accepted with that probability until the first miss, a round at depth d taking cost[B][d] on the
+    policy's clock: the depths of each call."""
+    rng = np.random.default_rng(seed)
+    fake = SimpleNamespace(draft="custom", backend="eager", _fns={})
+    pol.clock = clock = FakeClock()
+    traces = []
+    for beta, B in calls:
+        pol.start(fake, [[1, 2, 3]] * B, B, "cpu")
+        left = np.full(B, max_new)
+        while (left > 0).any():
+            done = list(left <= 0)
+            k = pol.choose(done, [2] * B, None, list(left))
+            clock.t += cost[B][k]
+            a = np.cumprod(rng.random((B, k)) < beta, axis=1).sum(axis=1)  # [B] drafts accepted
+            pol.observe(k, list(a + 1), done, [2] * B)
+            left = left - np.where(left > 0, np.minimum(a + 1, left), 0)
+        traces.append(list(pol.trace))
+    return traces
+
+
+def test_probes_time_each_depth_once_so_a_deep_depth_the_curve_overprices_is_found(monkeypatch):
+    """Session 20, 1B: at B = 4 the cost curve read depth 2 at 2.04x and depth 4 at 2.22x a plain
+    round; in the loop both ran at ~1.5x. As in batch_bench, B = 4 calls at 30% acceptance (plain
+    wins) come first, then B = 1 calls at 60% (the memory learns 60%), then B = 4 calls at 60%,
+    where depth 4 pays (~1.15x plain). Probing at depth 2 only, auto corrected depth 2's price but
+    priced depth 4 from the curve times depth 2's in-loop ratio (1.63x) and ran most of the 60% B = 4
+    calls plain (0.84x of depth 4 in the sweep); probing each untimed depth once, the 30% calls read
+    depth 4's price and the 60% calls draft at depth 4."""
+    curve = CostCurve({1: {1: 0.191, 3: 0.211, 5: 0.383}, 4: {1: 0.360, 3: 0.733, 5: 0.798}})
+    loop = {1: {0: 0.19, 2: 0.20, 4: 0.34}, 4: {0: 0.36, 2: 0.57, 4: 0.53}}
+    calls = [(0.3, 4)] * 4 + [(0.6, 1)] * 8 + [(0.6, 4)] * 4
+
+    def share_at_4(seed):  # over the 60% B = 4 calls
+        depths = [k for trace in batch_calls(AutoDepth([2, 4], CostModel(curve)), loop, calls, seed=seed)[12:]
+                  for k in trace]
+        return depths.count(4) / len(depths)
+
+    probing_each = [share_at_4(seed) for seed in range(10)]
+    monkeypatch.setattr(AutoDepth, "_probe_depth", lambda self: self.depths[1])
+    probing_2 = [share_at_4(seed) for seed in range(10)]
+    assert np.mean(probing_each) > 0.75 and np.mean(probing_2) < 0.5, (probing_each, probing_2)
 
 
 def test_probe_schedule_carries_over_between_calls():
