@@ -56,11 +56,12 @@ measured rounds at depth 2 and B = 16 at the cost of a plain step in isolation b
 loop, and "auto" drafted where plain decoding won. So that drafted rounds are compared with plain
 rounds timed alike, the first ``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must
 beat plain decoding by ``margin`` to be chosen. While speculation is off nothing is observed, so the
-policy re-probes: after ``probe_every`` plain rounds it runs one round at the smallest depth (the
-smallest drafted depth never yet timed at the bucket while there is one, so each depth's in-loop
-cost is read once before it is priced: :meth:`AutoDepth._probe_depth`), doubling the wait after each probe that does not switch speculation back on (up to ``probe_max``,
-and to no more than keeps the probes' predicted cost under ``PROBE_BUDGET`` of the time: a probe of
-a draft just short of paying is nearly free) and resetting it once it does; the schedule carries
+policy re-probes: after ``probe_every`` plain rounds it runs one round at the smallest depth (but
+first at each drafted depth neither timed at the bucket nor run in the call, so each depth's in-loop
+cost is read once before it is priced: :meth:`AutoDepth._probe_depth`), doubling the wait after each
+probe that does not switch speculation back on (up to ``probe_max``, and to no more than keeps the
+probes' predicted cost under ``PROBE_BUDGET`` of the time: a probe of a draft just short of paying
+is nearly free) and resetting it once it does; the schedule carries
 over from one call to the next at the same batch bucket. No probe runs in a round where no row has
 more than one token left (it would emit nothing more than a plain round). Within a call the choices
 are a pure function of the observed counts and of the state at the call's start (the round times
@@ -509,12 +510,12 @@ class AutoDepth(DepthPolicy):
         """The depth a re-probe runs: the smallest drafted depth, unless a drafted depth has neither
         been timed at this bucket nor chosen in this call: then the smallest such one, so that every
         depth's in-loop cost is read once before it is priced (a call's choices, not its timed
-        rounds: a round that built a graph is not timed, and must not change later choices). An untimed depth is priced from the cost
-        curve times a timed neighbour's in-loop ratio, and the curve's own shape between depths is
-        as noisy as a shared host (session 20, 1B, B = 4: the curve put depth 2 at 2.04x and depth
-        4 at 2.22x a plain round, the loop ran both at ~1.6x; depth 2's rounds corrected its own
-        price, depth 4 kept 1.73x, and at 60% acceptance auto ran a call plain where depth 4 was
-        1.14x faster: 0.84x of it)."""
+        rounds: a round that built a graph is not timed, and must not change later choices). An
+        untimed depth is priced from the cost curve times a timed neighbour's in-loop ratio, and the
+        curve's own shape between depths is as noisy as a shared host (session 20, 1B, B = 4: the
+        curve put depth 2 at 2.04x and depth 4 at 2.22x a plain round, the loop ran both at ~1.6x;
+        depth 2's rounds corrected its own price, depth 4 kept 1.73x, and at 60% acceptance auto ran
+        a call plain where depth 4 was 1.14x faster: 0.84x of it)."""
         if self.learn_cost:
             ran = set(self.trace) | set(self.timed.get(self.last_batch, {}))
             untimed = [d for d in self.depths[1:] if d not in ran]
