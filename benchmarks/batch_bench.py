@@ -187,7 +187,8 @@ def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
                 rows[-1]["modelled_round_ms"] = dict(zip(fast.policy.depths,
                                                          [1e3 * fast.policy.cost.round_cost(d, B) for d in fast.policy.depths]))
                 # how much a row's estimate leans on the other rows and on the memory (observations)
-                rows[-1]["rows_weight"], rows[-1]["memory_weight"] = fast.policy.rows_weight(), fast.policy.memory_weight()
+                rows[-1]["rows_weight"] = fast.policy.rows_weight()
+                rows[-1]["memory_weight"] = fast.policy.memory_weight()
             say(f"{name} B={B} {method}: {results[method]:.1f} tok/s, {rows[-1]['tokens_per_row_round']:.2f} "
                 f"per row per round, depths {dict(sorted(hist.items()))}, round ms "
                 f"{ {d: round(t, 1) for d, t in round_ms.items()} }, equal={equal}")

@@ -79,9 +79,11 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write the pooled table as JSON")
     args = ap.parse_args(argv)
     cells, metas = load_runs(args.sweeps)
-    print("sweeps: " + ", ".join(f"{p} ({m.get('commit') or 'commit not recorded'})" for p, m in zip(args.sweeps, metas)))
+    commits = [m.get("commit") or "commit not recorded" for m in metas]
+    print("sweeps: " + ", ".join(f"{p} ({c})" for p, c in zip(args.sweeps, commits)))
     out = []
-    print(f"{'workload':<24} {'B':>3} {'runs':>4} {'best':>8} {'best/off':>8} {'auto/off':>8} {'auto/best':>9} {'paired':>7}")
+    print(f"{'workload':<24} {'B':>3} {'runs':>4} {'best':>8} {'best/off':>8} {'auto/off':>8} {'auto/best':>9}"
+          f" {'paired':>7}")
     for (workload, batch), methods in sorted(cells.items()):
         s = {"workload": workload, "batch": batch, **cell_summary(methods, batch)}
         out.append(s)
