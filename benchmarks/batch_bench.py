@@ -106,7 +106,7 @@ def run_batches(fast, batches, max_new_tokens, pad, method, gamma, run=-1):
     warm-up) with its own seed, the same for every method in that run: one seed for every call
     replayed one draw of ~24 corruptions per row for the whole benchmark (session 14: at B = 1 and
     β = 0.3, 7 of 24 positions clean, clustered, and every probe of auto's landing on the same ones)."""
-    outs, tokens, rounds, depths, times = [], 0, 0, {}, {}
+    outs, tokens, rounds, depths, times, calls = [], 0, 0, {}, {}, []
     replay = getattr(fast, "chain_drafter", None)
     replay = replay if isinstance(replay, ReplayDrafter) else None
     ctx = forced_depth(fast, 0 if method == "off" else gamma) if method != "auto" else None
@@ -124,10 +124,14 @@ def run_batches(fast, batches, max_new_tokens, pad, method, gamma, run=-1):
                 depths[d] = depths.get(d, 0) + 1
             for d, sec in fast.policy.round_times:
                 times.setdefault(d, []).append(sec)
+            # each call's depths (and, under auto, the acceptance memory after it): where a cell went wrong
+            memory = getattr(fast.policy, "pooled_acceptance", None)
+            calls.append("".join(map(str, fast.policy.trace)) if memory is None else
+                         ["".join(map(str, fast.policy.trace)), [round(float(a), 3) for a in memory()]])
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
-    return outs, tokens, rounds, depths, times
+    return outs, tokens, rounds, depths, times, calls
 
 
 def _source_commit() -> str | None:
@@ -162,7 +166,7 @@ def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
             t0 = time.perf_counter()
             run_batches(fast, batches, args.max_new_tokens, pad, _kind(method), g)
             say(f"{name} B={B} {method}: warm-up {time.perf_counter() - t0:.1f} s")
-        tps, last = {m: [] for m, _ in methods}, {}
+        tps, last, traces = {m: [] for m, _ in methods}, {}, {m: [] for m, _ in methods}
         for run in range(args.runs):
             # each run goes round the methods in its own (seeded) order: with a fixed order auto always
             # ran right after the deepest γ, and on a drifting host its plain rounds read up to 2x
@@ -171,9 +175,10 @@ def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
                 t0 = time.perf_counter()
                 last[method] = run_batches(fast, batches, args.max_new_tokens, pad, _kind(method), g, run)
                 tps[method].append(last[method][1] / (time.perf_counter() - t0))
+                traces[method].append(last[method][5])
         ref, results = last["off"][0], {}
         for method, g in methods:
-            outs, tokens, rounds, hist, times = last[method]
+            outs, tokens, rounds, hist, times, _ = last[method]
             equal = all(torch.equal(a, b) for a, b in zip(outs, ref))
             results[method] = statistics.median(tps[method])
             # in-loop round times (last timed run) by the depth that ran (prompt lookup without a match: 0)
@@ -189,6 +194,9 @@ def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
                 # how much a row's estimate leans on the other rows and on the memory (observations)
                 rows[-1]["rows_weight"] = fast.policy.rows_weight()
                 rows[-1]["memory_weight"] = fast.policy.memory_weight()
+                # every timed call's depths and the memory after it, per run ("4440000..."; the pooled
+                # memory is folded in when the next call starts, so it lags one call)
+                rows[-1]["calls"] = traces[method]
             say(f"{name} B={B} {method}: {results[method]:.1f} tok/s, {rows[-1]['tokens_per_row_round']:.2f} "
                 f"per row per round, depths {dict(sorted(hist.items()))}, round ms "
                 f"{ {d: round(t, 1) for d, t in round_ms.items()} }, equal={equal}")
