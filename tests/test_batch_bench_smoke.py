@@ -40,7 +40,7 @@ def test_batch_bench_smoke_writes_equal_outputs_and_the_figures(tmp_path):
         # how much auto's rows leaned on the memory (>= its pool_weight floor) and on each other
         assert s["memory_weight"] >= 4.0 and (s["rows_weight"] is None or s["rows_weight"] >= 0.0)
     assert "commit" in data["meta"]
-    for r in auto:  # every timed call's depths, per run: as many rounds as the depth histogram counts
+    for r in auto:  # every timed call's depths, per run: at least the rounds the last run's histogram counts
         assert len(r["calls"]) == 3 and sum(len(c[0]) for run in r["calls"] for c in run) >= sum(r["depths"].values())
 
 
