@@ -39,26 +39,47 @@ def accepted(rng, B: int, k: int, beta: float) -> np.ndarray:
     return np.array([next((j for j in range(k) if rng.random() > beta), k) for _ in range(B)])
 
 
-def auto_call(pol, price, B, beta, n_new, rng) -> tuple[list[int], float]:
+def replay_masks(seed: int, B: int, beta: float, n_new: int) -> np.ndarray:
+    """[B, n_new] True where :class:`specgraph.drafters.ReplayDrafter` with replay seed ``seed``
+    corrupts row b's continuation (its own draw, so a call here meets the benchmark's drafts)."""
+    import torch
+
+    return np.stack([(torch.rand(n_new, generator=torch.Generator().manual_seed(seed * 1_000_003 + b)) >= beta).numpy()
+                     for b in range(B)])
+
+
+def mask_accepted(bad: np.ndarray, emitted: np.ndarray, k: int) -> np.ndarray:
+    """[B] drafts accepted: continuation indices emitted, emitted + 1, ... until a corrupted one, at most k."""
+    a = np.zeros(len(bad), dtype=np.int64)
+    for b, row in enumerate(bad):
+        while a[b] < k and emitted[b] + a[b] < len(row) and not row[emitted[b] + a[b]]:
+            a[b] += 1
+    return a
+
+
+def auto_call(pol, price, B, beta, n_new, rng, bad=None) -> tuple[list[int], float]:
+    """``bad``: replay masks ([B, n_new], :func:`replay_masks`) instead of fresh draws; the prompt
+    prefill emits the first token (continuation index 0) as in the benchmark."""
     pol.start(SimpleNamespace(draft="custom", backend="eager", _fns={}), [[1, 2, 3]] * B, B, "cpu")
-    left, t0 = np.full(B, n_new), pol.clock.t
+    left, t0 = np.full(B, n_new - (bad is not None)), pol.clock.t
     while (left > 0).any():
         done = list(left <= 0)
         k = pol.choose(done, [2] * B, None, list(left))
         pol.clock.t += price(k, B) * rng.uniform(0.97, 1.03)
-        a = accepted(rng, B, k, beta)
+        a = accepted(rng, B, k, beta) if bad is None else mask_accepted(bad, n_new - left, k)
         pol.observe(k, list(a + 1), done, [2] * B)  # the loop reports acceptance, not the budget's cap
         left = left - np.where(left > 0, np.minimum(a + 1, left), 0)
     return list(pol.trace), pol.clock.t - t0
 
 
-def fixed_seconds(price, B, beta, k, n_new, rng, reps=50) -> float:
-    total = 0.0
+def fixed_seconds(price, B, beta, k, n_new, rng, reps=50, bad=None) -> float:
+    total, reps = 0.0, reps if bad is None else 1
     for _ in range(reps):
-        left = np.full(B, n_new)
+        left = np.full(B, n_new - (bad is not None))
         while (left > 0).any():
             total += price(k, B)
-            left = left - np.minimum(accepted(rng, B, k, beta) + 1, np.maximum(left, 0))
+            a = accepted(rng, B, k, beta) if bad is None else mask_accepted(bad, n_new - left, k)
+            left = left - np.minimum(a + 1, np.maximum(left, 0))
     return total / reps
 
 
@@ -89,7 +110,16 @@ def main(argv=None) -> int:
     ap.add_argument("--in-loop", action="store_true",
                     help="rounds take the fixed methods' in-loop round times (median over β), while the policy "
                          "starts from the JSON's cost curve: a curve that misjudges some depths, as measured")
+    ap.add_argument("--replay-masks", action="store_true",
+                    help="batch_bench's own calls instead of fresh draws: per (β, B) the warm-up and --runs runs, "
+                         "batch i of ceil(--prompts / B) drafted with ReplayDrafter's masks for seed "
+                         "1000 (run + 1) + i (one pass, --seeds ignored); each call against the fixed depths on "
+                         "the same masks")
+    ap.add_argument("--runs", type=int, default=3, help="with --replay-masks: batch_bench's --runs")
+    ap.add_argument("--prompts", type=int, default=2, help="with --replay-masks: batch_bench's --prompts-1b")
     args = ap.parse_args(argv)
+    if args.replay_masks:
+        args.seeds = 1
     result = json.load(open(args.result))
     meta = result["meta"]
     table = meta["models"]["llama1b"]["cost"]["target"]["table"]
@@ -107,18 +137,26 @@ def main(argv=None) -> int:
         print(f"seed {seed}")
         for beta in (float(b) for b in args.betas.split(",")):
             for B in sizes:
-                best = min(fixed_seconds(price, B, beta, k, args.max_new_tokens, rng)
-                           for k in [0, *depths])
+                if args.replay_masks:
+                    n_batches = -(-args.prompts // B)
+                    masks = [replay_masks(1000 * (run + 1) + i, B, beta, args.max_new_tokens)
+                             for run in range(-1, args.runs) for i in range(n_batches)]
+                else:
+                    n_batches, masks = 1, [None] * args.calls
+                    best = min(fixed_seconds(price, B, beta, k, args.max_new_tokens, rng) for k in [0, *depths])
                 ratios = []
-                for _ in range(args.calls):
-                    trace, sec = auto_call(pol, price, B, beta, args.max_new_tokens, rng)
+                for bad in masks:
+                    if bad is not None:
+                        best = min(fixed_seconds(price, B, beta, k, args.max_new_tokens, rng, bad=bad)
+                                   for k in [0, *depths])
+                    trace, sec = auto_call(pol, price, B, beta, args.max_new_tokens, rng, bad)
                     ratios.append(best / sec)
-                    if len(ratios) > 1:  # the warm-up call is not timed in batch_bench
+                    if len(ratios) > n_batches:  # the warm-up run's calls are not timed in batch_bench
                         cell = timed.setdefault((beta, B), [0.0, 0.0])
                         cell[0], cell[1] = cell[0] + best, cell[1] + sec
                     if args.traces:
                         print("    " + "".join(map(str, trace)), np.round(pol.pooled_acceptance(), 2))
-                medians.setdefault((beta, B), []).append(float(np.median(ratios[1:])))
+                medians.setdefault((beta, B), []).append(float(np.median(ratios[n_batches:])))
                 print(f"  beta {beta:g} B {B:2d}: auto / best per call " + " ".join(f"{r:.2f}" for r in ratios)
                       + f"   last call {''.join(map(str, trace))}")
     print(f"over {args.seeds} seeds, timed calls: best fixed depth's expected time / auto's time, and the share"
