@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from specgraph.adaptive import AutoDepth
+from specgraph.drafters import replay_corruption
 from specgraph.perfmodel import CostCurve, CostModel
 
 
@@ -42,10 +43,7 @@ def accepted(rng, B: int, k: int, beta: float) -> np.ndarray:
 def replay_masks(seed: int, B: int, beta: float, n_new: int) -> np.ndarray:
     """[B, n_new] True where :class:`specgraph.drafters.ReplayDrafter` with replay seed ``seed``
     corrupts row b's continuation (its own draw, so a call here meets the benchmark's drafts)."""
-    import torch
-
-    return np.stack([(torch.rand(n_new, generator=torch.Generator().manual_seed(seed * 1_000_003 + b)) >= beta).numpy()
-                     for b in range(B)])
+    return np.stack([replay_corruption(seed, b, n_new, beta)[0].numpy() for b in range(B)])
 
 
 def mask_accepted(bad: np.ndarray, emitted: np.ndarray, k: int) -> np.ndarray:

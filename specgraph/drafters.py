@@ -238,6 +238,14 @@ class ChainDrafter:
         raise NotImplementedError
 
 
+def replay_corruption(seed: int, row: int, length: int, beta: float) -> tuple[torch.Tensor, torch.Generator]:
+    """([length] bool: where :class:`ReplayDrafter` corrupts row ``row``'s continuation under replay
+    seed ``seed``, P = 1 - β, never at β = 1; the generator, left where the replacement tokens are
+    drawn). The benchmark's simulator replays these masks without a model."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + row)
+    return torch.rand(length, generator=g) >= beta, g
+
+
 class ReplayDrafter(ChainDrafter):
     """Benchmark drafter with a set acceptance rate β: it proposes the target's own greedy
     continuation of each prompt (computed once, e.g. by :meth:`from_model` with HF ``generate``),
@@ -289,9 +297,8 @@ class ReplayDrafter(ChainDrafter):
         plen = torch.ones(batch, dtype=torch.long)
         for b, r in enumerate(rows):
             c = self.continuations[tuple(r)]
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + b)
+            bad, g = replay_corruption(self.seed, b, len(c), self.beta)
             true = torch.tensor(c, dtype=torch.long)
-            bad = torch.rand(len(c), generator=g) >= self.beta  # P(corrupt) = 1 - β; β = 1: never
             other = (true + 1 + torch.randint(0, self.vocab_size - 1, (len(c),), generator=g)) % self.vocab_size
             cont[b, : len(c)] = torch.where(bad, other, true)
             plen[b] = len(r)
