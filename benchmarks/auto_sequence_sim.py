@@ -13,7 +13,12 @@ the pooled acceptance memory after it. Then, over all seeds, that ratio for the 
 (a call's own draws make single calls noisy: about ±0.02 at 30 seeds) and the share of seeds whose
 median timed call, batch_bench's statistic, is under 0.95. Session 17 used it to find why auto
 lagged at β = 0.9, B = 2 after calls at β = 0.6 (the pooled memory, weighted by counts, was
-dominated by the B = 4 calls); session 18 to find that every call ended on a probe."""
+dominated by the B = 4 calls); session 18 to find that every call ended on a probe.
+
+With ``--replay-masks --mask-offsets N`` the calls draft with batch_bench's own replay masks (pass 0)
+and N - 1 other draws of them, and the last line sums the shares into the cells a sweep is expected to
+miss by its drafts' luck alone (session 21: ~1 of 18 on the s18-s20 JSONs, mostly β 0.6 B = 2 and 4
+and β 0.3 B = 8, whatever the memory's fading)."""
 from __future__ import annotations
 
 import argparse
@@ -38,6 +43,9 @@ class Clock:
 def accepted(rng, B: int, k: int, beta: float) -> np.ndarray:
     """[B] drafts accepted per row: each draft accepted with probability beta, until the first miss."""
     return np.array([next((j for j in range(k) if rng.random() > beta), k) for _ in range(B)])
+
+
+MASK_SEED_STRIDE = 7919  # --mask-offsets: pass o draws replay seed + o * this (above batch_bench's seeds, so passes never share one)
 
 
 def replay_masks(seed: int, B: int, beta: float, n_new: int) -> np.ndarray:
@@ -81,9 +89,10 @@ def fixed_seconds(price, B, beta, k, n_new, rng, reps=50, bad=None) -> float:
     return total / reps
 
 
-def in_loop_price(rows):
+def in_loop_price(rows, depths, sizes):
     """(depth, B) -> seconds of a round: the median over β of the fixed methods' in-loop round times
-    (off: depth 0, γ = k: depth k) in a batch_bench JSON."""
+    (off: depth 0, γ = k: depth k) in a batch_bench JSON, which must hold every depth in ``depths``
+    (and 0) at every batch size in ``sizes``."""
     times = {}
     for r in rows:
         if r["method"] == "off" or r["method"].startswith("gamma="):
@@ -91,6 +100,10 @@ def in_loop_price(rows):
                 if int(d) == (r["gamma"] or 0):
                     times.setdefault((int(d), r["batch"]), []).append(ms / 1e3)
     table = {key: float(np.median(v)) for key, v in times.items()}
+    missing = [(k, B) for B in sizes for k in [0, *depths] if (k, B) not in table]
+    if missing:
+        raise SystemExit(f"--in-loop: the JSON has no fixed method's rounds at (depth, B) {missing}; "
+                         "pass --depths among its --gammas and --batch-sizes among its batch sizes")
     return lambda k, B: table[k, B]
 
 
@@ -111,21 +124,27 @@ def main(argv=None) -> int:
     ap.add_argument("--replay-masks", action="store_true",
                     help="batch_bench's own calls instead of fresh draws: per (β, B) the warm-up and --runs runs, "
                          "batch i of ceil(--prompts / B) drafted with ReplayDrafter's masks for seed "
-                         "1000 (run + 1) + i (one pass, --seeds ignored); each call against the fixed depths on "
+                         "1000 (run + 1) + i (--seeds ignored); each call against the fixed depths on "
                          "the same masks")
+    ap.add_argument("--mask-offsets", type=int, default=1,
+                    help="with --replay-masks: passes, pass o drawing replay seeds offset by o x "
+                         f"{MASK_SEED_STRIDE} (pass 0: the benchmark's own masks), each from a new policy: how "
+                         "often a sweep's cell misses by its draft's luck alone")
     ap.add_argument("--runs", type=int, default=3, help="with --replay-masks: batch_bench's --runs")
     ap.add_argument("--prompts", type=int, default=2, help="with --replay-masks: batch_bench's --prompts-1b")
     args = ap.parse_args(argv)
     if args.replay_masks:
-        args.seeds = 1
+        args.seeds = args.mask_offsets
+    elif args.mask_offsets != 1:
+        ap.error("--mask-offsets needs --replay-masks")
     result = json.load(open(args.result))
     meta = result["meta"]
     table = meta["models"]["llama1b"]["cost"]["target"]["table"]
     curve = CostCurve({int(b): {int(n): t for n, t in row.items()} for b, row in table.items()})
-    price = in_loop_price(result["rows"]) if args.in_loop else \
-        (lambda k, B: curve(k + 1, B) * (args.drafted_slowdown if k else 1.0))
     sizes = [int(b) for b in (args.batch_sizes or ",".join(table)).split(",")]
     depths = [int(d) for d in args.depths.split(",")]
+    price = in_loop_price(result["rows"], depths, sizes) if args.in_loop else \
+        (lambda k, B: curve(k + 1, B) * (args.drafted_slowdown if k else 1.0))
     timed = {}  # (beta, B) -> [best expected seconds, auto seconds] summed over seeds' timed calls
     medians = {}  # (beta, B) -> per seed, the median of the timed calls' ratios (batch_bench's statistic)
     for seed in range(args.seeds):
@@ -137,7 +156,7 @@ def main(argv=None) -> int:
             for B in sizes:
                 if args.replay_masks:
                     n_batches = -(-args.prompts // B)
-                    masks = [replay_masks(1000 * (run + 1) + i, B, beta, args.max_new_tokens)
+                    masks = [replay_masks(1000 * (run + 1) + i + MASK_SEED_STRIDE * seed, B, beta, args.max_new_tokens)
                              for run in range(-1, args.runs) for i in range(n_batches)]
                 else:
                     n_batches, masks = 1, [None] * args.calls
@@ -161,6 +180,8 @@ def main(argv=None) -> int:
           " of seeds whose median timed call is under 0.95 of it")
     for (beta, B), (best, sec) in timed.items():
         print(f"  beta {beta:g} B {B:2d}: {best / sec:.3f}   {np.mean(np.array(medians[beta, B]) < 0.95):.2f}")
+    misses = sum(float(np.mean(np.array(m) < 0.95)) for m in medians.values())
+    print(f"cells under 0.95 per sweep, expected: {misses:.2f} of {len(medians)}")
     return 0
 
 
