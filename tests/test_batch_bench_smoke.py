@@ -16,6 +16,16 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
 
 
+def _git_head(root: Path) -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def test_batch_bench_smoke_writes_equal_outputs_and_the_figures(tmp_path):
     import batch_bench
 
@@ -39,7 +49,10 @@ def test_batch_bench_smoke_writes_equal_outputs_and_the_figures(tmp_path):
         assert s["auto_vs_best_paired"] == pytest.approx(ratios[len(ratios) // 2])
         # how much auto's rows leaned on the memory (>= its pool_weight floor) and on each other
         assert s["memory_weight"] >= 4.0 and (s["rows_weight"] is None or s["rows_weight"] >= 0.0)
-    assert "commit" in data["meta"]
+    # the commit the imported specgraph came from, when it came from a git checkout (CI: a clean clone)
+    commit = data["meta"]["commit"]
+    head = _git_head(Path(batch_bench.specgraph.__file__).parent.parent)
+    assert commit == head if head is None else commit in (head, head + "-dirty")
     for r in auto:  # every timed call's depths, per run: at least the rounds the last run's histogram counts
         assert len(r["calls"]) == 3 and sum(len(c[0]) for run in r["calls"] for c in run) >= sum(r["depths"].values())
 
