@@ -17,7 +17,7 @@ dominated by the B = 4 calls); session 18 to find that every call ended on a pro
 
 With ``--replay-masks --mask-offsets N`` the calls draft with batch_bench's own replay masks (pass 0)
 and N - 1 other draws of them, and the last line sums the shares into the cells a sweep is expected to
-miss by its drafts' luck alone (session 21: ~1 of 18 on the s18-s20 JSONs, mostly β 0.6 B = 2 and 4
+miss by its drafts' luck alone (session 21: 1.0-1.4 of 18 on the s18-s21 JSONs, mostly β 0.6 B = 2 and 4
 and β 0.3 B = 8, whatever the memory's fading)."""
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ def accepted(rng, B: int, k: int, beta: float) -> np.ndarray:
     return np.array([next((j for j in range(k) if rng.random() > beta), k) for _ in range(B)])
 
 
-MASK_SEED_STRIDE = 7919  # --mask-offsets: pass o draws replay seed + o * this (above batch_bench's seeds, so passes never share one)
+# --mask-offsets: pass o draws replay seed + o * this, above batch_bench's seeds (1000-4001 at --runs 3), so
+# passes never share a seed
+MASK_SEED_STRIDE = 7919
 
 
 def replay_masks(seed: int, B: int, beta: float, n_new: int) -> np.ndarray:

@@ -39,14 +39,15 @@ def test_replay_masks_are_the_replay_drafters_draws():
 def test_fixed_depths_cost_their_rounds_on_the_masks():
     from auto_sequence_sim import fixed_seconds
 
-    price = {(0, 2): 1.0, (2, 2): 1.5}.get
+    def price(k, B):
+        return {(0, 2): 1.0, (2, 2): 1.5}[k, B]
+
     bad = np.zeros((2, 9), dtype=bool)  # nothing corrupted: 8 tokens left after the prefill's
     rng = np.random.default_rng(0)
-    assert fixed_seconds(lambda k, B: price((k, B)), 2, 0.6, 0, 9, rng, bad=bad) == pytest.approx(8.0)
-    # depth 2 emits 3 per round: 3 + 3 + 2
-    assert fixed_seconds(lambda k, B: price((k, B)), 2, 0.6, 2, 9, rng, bad=bad) == pytest.approx(4.5)
+    assert fixed_seconds(price, 2, 0.6, 0, 9, rng, bad=bad) == pytest.approx(8.0)
+    assert fixed_seconds(price, 2, 0.6, 2, 9, rng, bad=bad) == pytest.approx(4.5)  # 3 per round: 3 + 3 + 2
     bad[1, :] = True  # row 1 accepts nothing: one token per round, 8 rounds
-    assert fixed_seconds(lambda k, B: price((k, B)), 2, 0.6, 2, 9, rng, bad=bad) == pytest.approx(12.0)
+    assert fixed_seconds(price, 2, 0.6, 2, 9, rng, bad=bad) == pytest.approx(12.0)
 
 
 def _result(path, gammas=(2, 4)):
