@@ -5,6 +5,35 @@ import os as _os
 # effect if torch was not imported yet, and an explicit user setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+def _import_installed_kernels() -> None:
+    """Import the ``kernels`` distribution (which transformers imports) before anything else can.
+
+    The source tree keeps its Triton kernels in a top-level ``kernels/`` folder (shipped as
+    ``specgraph.kernels``). Run from a clone's root (``python -m specgraph.cli``, ``python -m
+    pytest``), that folder is on ``sys.path`` ahead of site-packages and would shadow the
+    distribution, breaking ``transformers`` on its first model load."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "kernels" in sys.modules or importlib.util.find_spec("kernels") is None:
+        return
+    tree = Path(__file__).resolve().parent.parent
+    if importlib.util.find_spec("kernels").origin != str(tree / "kernels" / "__init__.py"):
+        return  # already the distribution (or no clone on the path)
+    saved = sys.path[:]
+    sys.path[:] = [e for e in sys.path if Path(e or ".").resolve() != tree]
+    try:
+        import kernels  # noqa: F401 - cached in sys.modules for transformers
+    except ImportError:
+        pass  # not installed: transformers does not import it either
+    finally:
+        sys.path[:] = saved
+
+
+_import_installed_kernels()
+
 from specgraph import perfmodel
 from specgraph.compiler import SpecGraphModel, compile
 from specgraph.onnx_export import export_onnx

@@ -72,7 +72,8 @@ from types import SimpleNamespace
 import torch
 
 from specgraph.artifacts import (
-    ArtifactError, FileVerifier, check_versions, verify_files, file_entry, fingerprint_mismatch, model_fingerprint, versions,
+    ArtifactError, FileVerifier, check_listed, check_versions, file_entry, fingerprint_mismatch, model_fingerprint,
+    safe_path, verify_files, versions,
 )
 from specgraph.capture import kv_layout, new_kv_cache
 from specgraph.compiler import (
@@ -664,6 +665,7 @@ def read_manifest(path) -> dict:
     for key in ("versions", "platform", "model", "settings", "graphs", "files"):
         if key not in man:
             raise ArtifactError(f"{mpath}: no {key!r} entry")
+    check_manifest_paths(d, man)
     check_versions(man["versions"], str(mpath))
     plat = man["platform"]
     if plat.get("machine") != platform.machine():
@@ -672,6 +674,40 @@ def read_manifest(path) -> dict:
     if isa in _ISA_ORDER and have in _ISA_ORDER and _ISA_ORDER.index(have) < _ISA_ORDER.index(isa):
         raise ArtifactError(f"{mpath}: packages were built for {isa} CPUs, this CPU supports {have}; recompile here")
     return man
+
+
+def check_manifest_paths(d: Path, man: dict) -> None:
+    """Every path the manifest makes a loader open is a key of its ``files`` table (so its size and
+    hash are checked before use) and stays inside ``d`` through no symbolic link; ``model/`` and
+    ``pt2/`` hold no file the table does not list (``from_pretrained`` reads whatever is there)."""
+    files = man["files"]
+    if not isinstance(files, dict):
+        raise ArtifactError(f"{d / MANIFEST}: 'files' is not a table")
+    for name in files:
+        safe_path(d, name)
+    if not isinstance(man["graphs"], list) or not isinstance(man["model"], dict):
+        raise ArtifactError(f"{d / MANIFEST}: 'graphs' must be a list and 'model' a table")
+    for g in man["graphs"]:
+        check_listed(d, files, g.get("file") if isinstance(g, dict) else None, "graphs[].file")
+    m = man["model"]
+    mdir = m.get("dir")
+    safe_path(d, mdir, "model.dir")
+    if m.get("weights") is not None or "pt2" in man.get("formats", []):
+        check_listed(d, files, m.get("weights"), "model.weights")
+    extra = (m.get("weights_map") or {}).get("extra_file")
+    if extra is not None:
+        check_listed(d, files, extra, "model.weights_map.extra_file")
+    for sub in {mdir, PT2_SUBDIR}:
+        root = d / sub
+        if not root.is_dir():
+            continue
+        for p in sorted(root.rglob("*")):
+            rel = p.relative_to(d).as_posix()
+            if p.is_symlink():
+                raise ArtifactError(f"{p}: a symbolic link; a compiled directory holds plain files only")
+            if p.is_file() and rel not in files:
+                raise ArtifactError(f"{p}: not listed in {d / MANIFEST} (an unlisted file is never loaded); "
+                                    "remove it or recompile the directory")
 
 
 class _Package:

@@ -20,7 +20,7 @@ from pathlib import Path
 from specgraph.onnx_export import _sha256 as sha256_file  # one hashing helper for both formats
 
 __all__ = [
-    "ArtifactError", "sha256_file", "file_entry", "verify_files", "FileVerifier", "versions",
+    "ArtifactError", "sha256_file", "file_entry", "safe_path", "check_listed", "verify_files", "FileVerifier", "versions",
     "check_versions", "model_fingerprint", "fingerprint_mismatch", "canonical_config",
 ]
 
@@ -42,20 +42,51 @@ def file_entry(path) -> dict:
     return {"sha256": sha256_file(p), "bytes": p.stat().st_size}
 
 
+def safe_path(root, name, what: str = "file") -> Path:
+    """``root / name`` for a manifest path ``name``, refused with :class:`ArtifactError` unless it is
+    a relative POSIX path that stays inside ``root`` through no symbolic link (a manifest could
+    otherwise point a loader at any file the process can read)."""
+    root = Path(root)
+    if not isinstance(name, str) or not name or "\\" in name or "\x00" in name:
+        raise ArtifactError(f"{root}: manifest {what} {name!r} is not a relative path")
+    rel = Path(name)
+    if rel.is_absolute() or name.startswith("/") or any(part in ("..", "") for part in name.split("/")):
+        raise ArtifactError(f"{root}: manifest {what} {name!r} is outside the directory")
+    p = root
+    for part in rel.parts:
+        p = p / part
+        if p.is_symlink():
+            raise ArtifactError(f"{p}: a symbolic link; a compiled directory holds plain files only")
+    try:
+        p.resolve().relative_to(root.resolve())
+    except ValueError:
+        raise ArtifactError(f"{root}: manifest {what} {name!r} resolves outside the directory") from None
+    return p
+
+
+def check_listed(root, files: dict, name, what: str) -> None:
+    """Refuse a manifest field naming a file that the manifest's ``files`` table does not list (an
+    unlisted file would be opened without its size and hash checked)."""
+    if not isinstance(name, str) or name not in files:
+        raise ArtifactError(f"{root}: manifest {what} {name!r} is not listed in its files (not checked, refused)")
+    safe_path(root, name, what)
+
+
 def verify_files(root, files: dict, names=None) -> None:
     """Check size then sha256 of ``files`` (manifest entries, paths relative to ``root``).
 
-    Raises :class:`ArtifactError` naming the first file that is missing, truncated or modified."""
+    Raises :class:`ArtifactError` naming the first file that is outside the directory, reached
+    through a symbolic link, missing, truncated or modified. The size is read from the path itself
+    (``lstat``), before anything is opened."""
     root = Path(root)
     for name in (files if names is None else names):
         info = files[name]
-        rel = Path(name)
-        if rel.is_absolute() or ".." in rel.parts:
-            raise ArtifactError(f"{root}: manifest lists {name!r}, which is outside the directory")
-        f = root / rel
+        f = safe_path(root, name)
+        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or not isinstance(info.get("sha256"), str):
+            raise ArtifactError(f"{root}: manifest entry for {name!r} has no bytes/sha256")
         if not f.is_file():
             raise ArtifactError(f"{f}: listed in the manifest but missing")
-        size = f.stat().st_size
+        size = f.lstat().st_size
         if size != info["bytes"]:
             raise ArtifactError(f"{f}: {size} bytes, the manifest says {info['bytes']} (truncated or modified); "
                                 "recompile the directory")

@@ -276,6 +276,66 @@ def test_missing_file_and_broken_manifest_are_refused(compiled, tmp_path):
         aot.load_dir(tmp_path)
 
 
+def _point(field, value):
+    """A manifest edit that sets one path field to ``value``."""
+    def edit(m):
+        if field == "graphs[].file":
+            m["graphs"][0]["file"] = value
+        elif field == "model.weights":
+            m["model"]["weights"] = value
+        elif field == "model.dir":
+            m["model"]["dir"] = value
+        elif field == "extra_file":
+            m["model"]["weights_map"] = {**(m["model"].get("weights_map") or {}), "extra_file": value}
+        elif field == "files":
+            m["files"][value] = {"sha256": "0" * 64, "bytes": 1}
+    return edit
+
+
+@pytest.mark.parametrize("field", ["graphs[].file", "model.weights", "model.dir", "extra_file", "files"])
+@pytest.mark.parametrize("value", ["../outside.pt2", "pt2/../../outside.pt2", "/etc/passwd"])
+def test_manifest_path_outside_the_directory_is_refused(compiled, tmp_path, field, value):
+    d = copy_dir(compiled, tmp_path)
+    (tmp_path / "outside.pt2").write_bytes(b"x")
+    rewrite_manifest(d, _point(field, value))
+    with pytest.raises(ArtifactError, match="outside the directory|not listed in its files"):
+        aot.load_dir(d, tokenizer=False)
+
+
+@pytest.mark.parametrize("field", ["graphs[].file", "model.weights", "extra_file"])
+def test_manifest_path_missing_from_the_files_table_is_refused(compiled, tmp_path, field):
+    d = copy_dir(compiled, tmp_path)
+    name = "pt2/unlisted.pt2"
+    shutil.copy(d / "pt2" / "round_b1_k0_w65_greedy.pt2", d / name)
+    rewrite_manifest(d, _point(field, name))
+    with pytest.raises(ArtifactError, match=r"'pt2/unlisted\.pt2' is not listed in its files"):
+        aot.load_dir(d, tokenizer=False)
+    control = copy_dir(compiled, tmp_path / "control")  # negative control: the untouched copy loads
+    assert aot.load_dir(control, tokenizer=False).fast.max_seq_len == MAX_SEQ
+
+
+def test_deleted_files_entry_and_unlisted_files_are_refused(compiled, tmp_path):
+    d = copy_dir(compiled, tmp_path)
+    rewrite_manifest(d, lambda m: m["files"].pop("pt2/round_b1_k0_w65_greedy.pt2"))
+    with pytest.raises(ArtifactError, match="not listed in its files"):
+        aot.load_dir(d, tokenizer=False)
+    d2 = copy_dir(compiled, tmp_path / "b")
+    (d2 / "model" / "extra.json").write_text("{}")  # from_pretrained would read it unchecked
+    with pytest.raises(ArtifactError, match=r"extra\.json: not listed"):
+        aot.load_dir(d2, tokenizer=False)
+
+
+@pytest.mark.parametrize("target", ["pt2/round_b1_k0_w65_greedy.pt2", "model/model.safetensors", "pt2"])
+def test_symbolic_links_are_refused(compiled, tmp_path, target):
+    d = copy_dir(compiled, tmp_path)
+    real = d / target
+    moved = tmp_path / ("moved_" + real.name)
+    real.rename(moved)
+    real.symlink_to(moved, target_is_directory=moved.is_dir())  # same bytes, same hash, through a link
+    with pytest.raises(ArtifactError, match="symbolic link"):
+        aot.load_dir(d, tokenizer=False)
+
+
 @pytest.mark.parametrize("package, recorded", [("torch", "2.0.0"), ("transformers", "4.0.0"), ("specgraph", "0.0.1")])
 def test_version_mismatch_is_refused_naming_it(compiled, tmp_path, package, recorded):
     d = copy_dir(compiled, tmp_path)
