@@ -17,10 +17,9 @@ def _import_installed_kernels() -> None:
     import sys
     from pathlib import Path
 
-    if "kernels" in sys.modules or importlib.util.find_spec("kernels") is None:
-        return
+    spec = None if "kernels" in sys.modules else importlib.util.find_spec("kernels")
     tree = Path(__file__).resolve().parent.parent
-    if importlib.util.find_spec("kernels").origin != str(tree / "kernels" / "__init__.py"):
+    if spec is None or spec.origin != str(tree / "kernels" / "__init__.py"):
         return  # already the distribution (or no clone on the path)
     saved = sys.path[:]
     sys.path[:] = [e for e in sys.path if Path(e or ".").resolve() != tree]
