@@ -62,6 +62,7 @@ import json
 import platform
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 import zipfile
@@ -371,10 +372,14 @@ def compile_dir(
         prefill_chunk: prompt tokens per call of the packaged prefill (one package per batch bucket);
             with it a loaded directory needs no transformers modeling code at all (see ``load_dir``).
             None: no prefill package (the loader then builds the HF model and prefills eagerly).
-        overwrite: replace an existing compiled directory (only its manifest, model/, pt2/, onnx/).
-    """
-    import specgraph
+        overwrite: replace an existing compiled directory. Only files its manifest lists that still
+            match their sha256 are removed; anything else under ``model/``, ``pt2/`` or ``onnx/`` (a
+            file of yours, or a listed file you edited) makes the compile refuse before it starts,
+            and files of yours elsewhere in the directory are kept.
 
+    The compile writes into a temporary directory beside ``out_dir`` and moves its files in only
+    when every graph is built: a failed compile leaves an existing directory as it was.
+    """
     t_start = time.perf_counter()
     formats = tuple(dict.fromkeys(formats))
     modes = tuple(dict.fromkeys(modes))
@@ -395,15 +400,100 @@ def compile_dir(
         depths = _parse_depths(depths)
         num_speculative_tokens = max(depths)
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} is not empty; pass overwrite=True (CLI: --force) to replace a compiled directory")
-        if not (out / MANIFEST).is_file() and not any((out / d).exists() for d in (MODEL_SUBDIR, PT2_SUBDIR, ONNX_SUBDIR)):
-            raise FileExistsError(f"{out} is not empty and not a compiled directory; refusing to overwrite it")
-        for d in (MODEL_SUBDIR, PT2_SUBDIR, ONNX_SUBDIR):
-            shutil.rmtree(out / d, ignore_errors=True)
-        (out / MANIFEST).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    with _staged_dir(out, overwrite) as work:
+        return _compile_into(
+            work, model, tokenizer, draft, draft_model, num_speculative_tokens, depths, tree, max_batch_size,
+            max_seq_len, formats, modes, top_k, top_p, min_p, prefill_chunk, progress, source, t_start)
+
+
+@contextlib.contextmanager
+def _staged_dir(out: Path, overwrite: bool):
+    """Yield a fresh directory beside ``out`` to compile into; on success its files replace
+    ``out``'s (see :func:`_replaceable_files`), on any error it is removed and ``out`` is untouched."""
+    removable = _replaceable_files(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.compiling-", dir=out.parent))
+    try:
+        yield stage
+        _swap_in(stage, out, removable)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _replaceable_files(out: Path, overwrite: bool) -> list[Path]:
+    """The files of an existing ``out`` that a new compile may remove: those its manifest lists,
+    inside it through no symbolic link, still matching their size and sha256, and the manifest.
+    Refuses (``FileExistsError``, naming the files) a non-empty ``out`` without ``overwrite``,
+    one that is not a compiled directory, and one holding any other file under model/, pt2/ or
+    onnx/ (the new compile writes there: whatever is there must be ours to remove)."""
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    if not any(out.iterdir()):
+        return []
+    if not overwrite:
+        raise FileExistsError(f"{out} is not empty; pass overwrite=True (CLI: --force) to replace a compiled directory")
+    try:
+        old = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        old = None
+    if not isinstance(old, dict) or old.get("format") != FORMAT or not isinstance(old.get("files"), dict):
+        raise FileExistsError(f"{out} is not empty and not a compiled directory (no readable {MANIFEST}); "
+                              "refusing to write into it")
+    removable = [out / MANIFEST]
+    for name, info in old["files"].items():
+        try:
+            verify_files(out, {name: info})
+        except ArtifactError:
+            continue  # outside, a link, missing or modified: never removed
+        removable.append(out / name)
+    keep = set(removable)
+    foreign = [p for sub in (MODEL_SUBDIR, PT2_SUBDIR, ONNX_SUBDIR) if (out / sub).exists()
+               for p in [out / sub, *sorted((out / sub).rglob("*"))]
+               if (p.is_symlink() or not p.is_dir()) and p not in keep]
+    if foreign:
+        shown = ", ".join(str(p.relative_to(out)) for p in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise FileExistsError(f"{out}: refusing to replace it: {len(foreign)} file(s) under {MODEL_SUBDIR}/, "
+                              f"{PT2_SUBDIR}/ or {ONNX_SUBDIR}/ that its manifest does not list or that were "
+                              f"modified ({shown}); move them away or compile into another directory")
+    return removable
+
+
+def _swap_in(stage: Path, out: Path, removable: list[Path]) -> None:
+    """Move a finished compile from ``stage`` into ``out``: the old manifest goes first and the new
+    one last, so ``out`` is never a directory whose manifest describes files it does not hold."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        if out.exists():
+            out.rmdir()
+        stage.rename(out)
+        return
+    new = [p for p in sorted(stage.rglob("*")) if p.is_file() and p != stage / MANIFEST]
+    keep = set(removable)
+    late = [out / p.relative_to(stage) for p in new
+            if (out / p.relative_to(stage)).exists() and out / p.relative_to(stage) not in keep]
+    if late:
+        raise FileExistsError(f"{late[0]}: appeared while compiling; {out} was left as it was")
+    for p in removable:
+        p.unlink(missing_ok=True)
+    for sub in (MODEL_SUBDIR, PT2_SUBDIR, ONNX_SUBDIR):  # folders left empty by the removal
+        for d in sorted((p for p in (out / sub).rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        with contextlib.suppress(OSError):
+            (out / sub).rmdir()
+    for p in new:
+        dst = out / p.relative_to(stage)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(p, dst)
+    shutil.move(stage / MANIFEST, out / MANIFEST)
+
+
+def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculative_tokens, depths, tree,
+                  max_batch_size, max_seq_len, formats, modes, top_k, top_p, min_p, prefill_chunk, progress,
+                  source, t_start) -> dict:
+    """The body of :func:`compile_dir`, writing into ``out`` (a fresh staging directory)."""
+    import specgraph
 
     top_vocab = model.get_output_embeddings().weight.shape[0]
     top_k, top_p, min_p = _norm_filter(top_vocab, top_k, top_p, min_p)
@@ -1026,7 +1116,8 @@ def load_dir(
     tree = s["tree"] if s["tree"] is None or isinstance(s["tree"], str) else [tuple(p) for p in s["tree"]]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fast = sg_compile(model, s["draft"], num_speculative_tokens=s["num_speculative_tokens"], tree=tree,
+        k = s["num_speculative_tokens"] if s["draft"] is not None else 1  # plain decoding records K = 0
+        fast = sg_compile(model, s["draft"], num_speculative_tokens=k, tree=tree,
                           backend="inductor", max_batch_size=s["max_batch_size"], max_seq_len=s["max_seq_len"])
     if fast.fallback_reason is not None:
         raise ArtifactError(f"{d}: the model cannot be served by the compiled graphs here: {fast.fallback_reason}")

@@ -13,6 +13,7 @@ is a scratch slot where padding and finished rows write.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -317,6 +318,22 @@ def suffix_chain_drafts(chains: list[list[int]], ladder: list[int], root, active
         if c:
             drafts[b, : len(c)] = torch.tensor(c[:k])
     return k, drafts.to(root.device)
+
+@contextlib.contextmanager
+def one_call(obj):
+    """Hold ``obj._lock`` (an RLock) for one ``generate`` call. Calls from other threads wait; a
+    call from inside a running one on the same thread (a streamer calling back into ``generate``)
+    raises instead: the two would share one set of KV caches and the outer output would be wrong."""
+    with obj._lock:
+        if getattr(obj, "_in_call", False):
+            raise RuntimeError("generate was called from inside a running generate on the same object (e.g. from "
+                               "its streamer); use a second compiled object for nested generation")
+        obj._in_call = True
+        try:
+            yield
+        finally:
+            obj._in_call = False
+
 
 def eos_and_pad(eos_token_id, pad_token_id, default_eos, default_pad) -> tuple[list[int], int]:
     """HF's defaults: EOS ids from the argument or the generation config; pad from the argument,
@@ -980,7 +997,7 @@ class SpecGraphModel:
         rows = self._rows(input_ids, attention_mask, max_new_tokens)
         if streamer is not None and len(rows) != 1:
             raise ValueError("streamers support batch size 1 only (as in transformers)")
-        with self._lock:  # concurrent calls on one object share its KV caches: one at a time
+        with one_call(self):  # concurrent calls on one object share its KV caches: one at a time
             self.stats = Stats()  # per call
             if self.fallback_reason is not None:
                 new = self._generate_eager(rows, max_new_tokens, params, eos, generator, streamer)

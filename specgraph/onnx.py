@@ -43,14 +43,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specgraph.artifacts import ArtifactError, check_listed, safe_path, verify_files
 from specgraph.compiler import (
     SUFFIX_MIN_SCORE, assemble_output, calibrate_suffix, eos_and_pad, keep_until_eos, next_k, pack_suffix_trees,
-    prompt_rows, propose_ngram_tree, suffix_chain_drafts, suffix_chains,
+    one_call, prompt_rows, propose_ngram_tree, suffix_chain_drafts, suffix_chains,
 )
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats
 from specgraph.onnx_export import (  # noqa: F401 (export_onnx: re-export)
-    FORMAT, FORMAT_VERSION, MANIFEST, _norm_filter, _sha256, export_onnx, tree_graph_name,
+    FORMAT, FORMAT_VERSION, MANIFEST, _norm_filter, export_onnx, tree_graph_name,
 )
 from specgraph.suffix import SuffixIndex
 from specgraph.trees import TreeSpec
@@ -77,23 +78,17 @@ def load_manifest(out_dir, check_files: bool = True) -> dict:
     if man.get("format") != FORMAT or man.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format {man.get('format')!r} v{man.get('format_version')!r}, "
                          f"expected {FORMAT!r} v{FORMAT_VERSION}")
-    files = man.get("files", {})
-    for g in man["graphs"]:
-        if g["file"] not in files:
-            raise ValueError(f"{path}: graph file {g['file']} has no sha256 entry")
-    if man.get("external_data") and man["external_data"] not in files:
-        raise ValueError(f"{path}: weights file {man['external_data']} has no sha256 entry")
+    files = man.get("files")
+    if not isinstance(files, dict) or not isinstance(man.get("graphs"), list):
+        raise ArtifactError(f"{path}: 'files' must be a table and 'graphs' a list")
+    for name in files:
+        safe_path(d, name)
+    for g in man["graphs"]:  # every file a session opens is listed, so its hash is checked first
+        check_listed(d, files, g.get("file") if isinstance(g, dict) else None, "graphs[].file")
+    if man.get("external_data"):
+        check_listed(d, files, man["external_data"], "external_data")
     if check_files:
-        for name, info in files.items():
-            f = d / name
-            if not f.is_file():
-                raise ValueError(f"{f}: listed in the manifest but missing")
-            size = f.stat().st_size
-            if size != info["bytes"]:
-                raise ValueError(f"{f}: {size} bytes, the manifest says {info['bytes']} "
-                                 "(truncated or modified); re-export")
-            if _sha256(f) != info["sha256"]:
-                raise ValueError(f"{f}: sha256 does not match the manifest (file modified); re-export")
+        verify_files(d, files)
     return man
 
 
@@ -257,7 +252,7 @@ class OnnxSpecGenerator:
         if mode not in man["modes"]:
             raise ValueError(f"no {mode} graphs in {self.dir} (exported modes: {man['modes']})")
         rows = self._rows(input_ids, attention_mask, max_new_tokens)
-        with self._lock:
+        with one_call(self):
             self.stats = GenerationStats()
             sessions = None
             if self.draft == "suffix":  # as SpecGraphModel.generate: a session per request

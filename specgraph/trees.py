@@ -9,6 +9,7 @@ and under the best one, the best and second-best candidates at depth 2.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -20,7 +21,14 @@ def _as_parent_list(parents) -> list[int]:
         if parents.dim() != 1 or parents.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"parents must be a 1-D integer tensor [N], got {tuple(parents.shape)} {parents.dtype}")
         return [int(v) for v in parents.cpu().tolist()]
-    return [int(v) for v in parents]
+    try:
+        values = list(parents)
+    except TypeError:
+        raise ValueError(f"parents must be a sequence of ints or a 1-D integer tensor, got {parents!r}") from None
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+    if bad:  # a float parent would be truncated to another node
+        raise ValueError(f"parents must be integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(v) for v in values]
 
 
 def check_parents(parents: list[int]) -> None:

@@ -17,6 +17,12 @@ from specgraph.warping import check_sampling_params, is_greedy, warp_logits
 _PROB_ATOL = 1e-3
 
 
+def prob_tolerance(dtype: torch.dtype) -> float:
+    """How far from 1 a row of ``dtype`` probabilities may sum: rounding each (positive) entry to
+    ``dtype`` moves the row's sum by at most eps/2 of it, so a row rounded from an exact
+    distribution is within ``finfo(dtype).eps`` of 1 (bf16: 2^-7); never tighter than 1e-3."""
+    return max(_PROB_ATOL, torch.finfo(dtype).eps)
+
 # ----------------------------------------------------------------------------------------------
 # validation
 
@@ -39,8 +45,8 @@ def _check_probs_values(name: str, probs: torch.Tensor) -> None:
         raise ValueError(f"{name} contains NaN or inf")
     if (probs < 0).any():
         raise ValueError(f"{name} has negative probabilities")
-    sums = probs.sum(dim=-1)
-    if ((sums - 1.0).abs() > _PROB_ATOL).any():
+    sums = probs.sum(dim=-1, dtype=torch.float32)  # no further rounding of the sum itself
+    if ((sums - 1.0).abs() > prob_tolerance(probs.dtype)).any():
         flat = sums.flatten()
         worst = flat[(flat - 1.0).abs().argmax()]
         raise ValueError(f"{name} rows must sum to 1 (warped probabilities, not logits); found a row summing to {float(worst):.6g}")

@@ -21,6 +21,11 @@ from dataclasses import dataclass
 import torch
 
 NEG_INF = float("-inf")
+# The smallest sampling temperature: logits are divided by it in float32 (max 3.4e38), so any
+# |logit| below 3.4e8 stays finite, far above what a model emits. Below it the quotient can
+# overflow to inf and the softmax to NaN (Hugging Face's sampler then raises); greedy is
+# ``do_sample=False``.
+MIN_TEMPERATURE = 1e-30
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,9 @@ def check_sampling_params(temperature, top_k, top_p, min_p) -> None:
         raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {temperature!r}")
     if temperature == float("inf"):
         raise ValueError("temperature must be finite")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature {temperature!r} is below {MIN_TEMPERATURE:g}: logits divided by it overflow float32; "
+                         "use do_sample=False (or temperature=0) for greedy decoding")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):

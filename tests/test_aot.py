@@ -336,6 +336,81 @@ def test_symbolic_links_are_refused(compiled, tmp_path, target):
         aot.load_dir(d, tokenizer=False)
 
 
+# ----------------------------------------------------------------------------------------------
+# replacing a compiled directory (--force) and failed compiles
+
+
+def _snapshot(d: Path) -> dict:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_force_recompile_keeps_user_files_and_the_result_loads(compiled, tmp_path):
+    """`--force` over a compiled directory: the files of the old compile go (the k=2 packages),
+    the user's files beside them stay, and the new directory (plain decoding, K recorded as 0)
+    loads and equals the model; no staging directory is left behind."""
+    d = copy_dir(compiled, tmp_path)
+    (d / "notes.txt").write_text("mine")
+    (d / "runs").mkdir()
+    (d / "runs" / "log.json").write_text("{}")
+    model = tiny_model()
+    aot.compile_dir(model, d, draft=None, modes=("greedy",), prefill_chunk=None, max_seq_len=MAX_SEQ,
+                    overwrite=True, progress=False)
+    assert (d / "notes.txt").read_text() == "mine" and (d / "runs" / "log.json").read_text() == "{}"
+    man = json.loads((d / aot.MANIFEST).read_text())
+    assert man["settings"]["draft"] is None and man["settings"]["num_speculative_tokens"] == 0
+    assert sorted(p.name for p in (d / "pt2").iterdir()) == sorted(Path(g["file"]).name for g in man["graphs"])
+    assert not any("k2" in g["file"] for g in man["graphs"])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    ld = aot.load_dir(d, tokenizer=False)
+    ids = torch.tensor([(PERIODIC * 4)[:20]])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ld.fast.generate(ids, max_new_tokens=12), ref)
+
+
+@pytest.mark.parametrize("intruder", ["model/mine.txt", "pt2/mine.pt2", "onnx/keep/me.txt", "model/config.json"])
+def test_force_refuses_files_it_did_not_write_and_touches_nothing(compiled, tmp_path, intruder):
+    """A user file inside model/, pt2/ or onnx/, or a listed file the user edited (config.json),
+    makes `--force` refuse, naming it, before anything is compiled or removed."""
+    d = copy_dir(compiled, tmp_path)
+    f = d / intruder
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(f.read_text() + " " if f.exists() else "mine")
+    before = _snapshot(d)
+    with pytest.raises(FileExistsError, match=Path(intruder).name):
+        aot.compile_dir(tiny_model(), d, draft=None, modes=("greedy",), max_seq_len=MAX_SEQ, overwrite=True,
+                        progress=False)
+    assert _snapshot(d) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
+
+
+def test_force_over_the_users_model_folder_is_refused(src, tmp_path):
+    """`specgraph compile proj/model --out proj --force`: proj holds no manifest, so it is not a
+    compiled directory and nothing in it is removed."""
+    proj = tmp_path / "proj"
+    shutil.copytree(src, proj / "model")
+    before = _snapshot(proj)
+    r = cli("compile", proj / "model", "--out", proj, "--draft", "none", "--max-seq-len", MAX_SEQ, "--modes", "greedy",
+            "--force", "--quiet")
+    assert r.returncode != 0 and "not a compiled directory" in one_line(r.stderr)
+    assert _snapshot(proj) == before
+
+
+def test_failed_recompile_leaves_the_directory_working(compiled, tmp_path, monkeypatch):
+    d = copy_dir(compiled, tmp_path)
+    before = _snapshot(d)
+
+    def fail(*a, **k):
+        raise RuntimeError("compiler crashed")
+
+    monkeypatch.setattr(aot, "_compile_graph", fail)
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        aot.compile_dir(tiny_model(), d, draft=None, modes=("greedy",), max_seq_len=MAX_SEQ, overwrite=True,
+                        progress=False)
+    assert _snapshot(d) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # the staging directory is gone
+    aot.load_dir(d, tokenizer=False)  # still loads
+
+
 @pytest.mark.parametrize("package, recorded", [("torch", "2.0.0"), ("transformers", "4.0.0"), ("specgraph", "0.0.1")])
 def test_version_mismatch_is_refused_naming_it(compiled, tmp_path, package, recorded):
     d = copy_dir(compiled, tmp_path)

@@ -476,6 +476,53 @@ def test_rejects_streamer_with_batch(llama):
         fast.generate(_ids([5, 6], [7, 8]), max_new_tokens=2, streamer=Streamer())
 
 
+def test_generate_from_inside_its_own_streamer_raises_and_the_object_stays_usable(llama):
+    """A streamer calling back into generate on the same object would share its KV caches with the
+    outer call: the inner call raises; afterwards the object still equals HF (negative control:
+    another object may be called from the streamer)."""
+    fast = specgraph.compile(llama, "ngram", num_speculative_tokens=2, backend="eager", max_seq_len=64)
+    other = specgraph.compile(llama, backend="eager", max_seq_len=64)
+    ids = _ids([5, 6, 7, 5, 6, 7])
+    seen = []
+
+    class Streamer:
+        def __init__(self, target):
+            self.target = target
+
+        def put(self, value):
+            try:
+                self.target.generate(ids, max_new_tokens=2)
+                seen.append("ok")
+            except RuntimeError as e:
+                seen.append(str(e))
+                raise
+
+        def end(self):
+            pass
+
+    with pytest.raises(RuntimeError, match="inside a running generate"):
+        fast.generate(ids, max_new_tokens=4, streamer=Streamer(fast))
+    ref = llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast.generate(ids, max_new_tokens=4), ref)
+    seen.clear()
+    assert torch.equal(fast.generate(ids, max_new_tokens=4, streamer=Streamer(other)), ref)
+    assert seen and all(s == "ok" for s in seen)
+
+
+def test_rejects_temperature_that_overflows_the_logits(llama):
+    """HF's sampler raises on the NaN that logits / 1e-39 produce; so does compile, before any
+    round (a float32 quotient would be inf); 1e-30 is the smallest accepted temperature."""
+    ids = _ids([5, 6, 7])
+    with pytest.raises(RuntimeError):
+        llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=True, temperature=1e-39,
+                       pad_token_id=0)
+    fast = specgraph.compile(llama, backend="eager", max_seq_len=64)
+    with pytest.raises(ValueError, match="overflow"):
+        fast.generate(ids, max_new_tokens=2, do_sample=True, temperature=1e-39)
+    out = fast.generate(ids, max_new_tokens=3, do_sample=True, temperature=1e-30)  # argmax in effect
+    assert torch.equal(out, fast.generate(ids, max_new_tokens=3))
+
+
 def test_eager_attention_falls_back_with_warning_and_stays_exact():
     model = tiny_model("llama", attn="eager")
     with pytest.warns(UserWarning, match="falling back to the eager path"):

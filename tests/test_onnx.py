@@ -184,7 +184,39 @@ def test_tampered_or_truncated_file_is_refused(llama, qwen2, tmp_path):
     man = json.loads((d / "manifest.json").read_text())
     del man["files"]["prefill_c8.onnx"]
     (d / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(ValueError, match="prefill_c8.onnx has no sha256"):
+    with pytest.raises(ValueError, match="'prefill_c8.onnx' is not listed in its files"):
+        OnnxSpecGenerator(d)
+
+
+@pytest.mark.parametrize("field,value", [("graph", "../outside.onnx"), ("graph", "/tmp/outside.onnx"),
+                                         ("external", "../weights.bin"), ("files", "../weights.bin")])
+def test_manifest_paths_outside_the_export_are_refused(llama, tmp_path, field, value):
+    """Every path the ONNX manifest names is a listed file inside the directory: a graph or
+    weights path pointing elsewhere is refused before any session opens it (negative control:
+    the unedited copy loads)."""
+    d = tmp_path / "x"
+    shutil.copytree(llama.dir, d)
+    OnnxSpecGenerator(d, check_files=False)
+    man = json.loads((d / "manifest.json").read_text())
+    if field == "graph":
+        man["files"][value] = man["files"][man["graphs"][0]["file"]]
+        man["graphs"][0]["file"] = value
+    elif field == "external":
+        man["external_data"] = value
+    else:
+        man["files"][value] = man["files"]["weights.bin"]
+    (d / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ValueError, match="outside the directory"):
+        OnnxSpecGenerator(d)
+
+
+def test_symbolic_link_in_an_export_is_refused(llama, tmp_path):
+    d = tmp_path / "x"
+    shutil.copytree(llama.dir, d)
+    real = tmp_path / "weights.bin"
+    (d / "weights.bin").rename(real)
+    (d / "weights.bin").symlink_to(real)
+    with pytest.raises(ValueError, match="symbolic link"):
         OnnxSpecGenerator(d)
 
 

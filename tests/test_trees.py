@@ -115,6 +115,16 @@ def test_chain_negative_raises():
         TreeSpec.chain(-1)
 
 
+@pytest.mark.parametrize("parents", [[-1, 0.0, 1.7], [-1, 0, True], "abc", [-1.0, 0]])
+def test_non_integer_parents_raise(parents):
+    """A float parent would otherwise be truncated to another node (1.7 -> 1)."""
+    with pytest.raises(ValueError, match="integer"):
+        TreeSpec.from_parents(parents)
+    with pytest.raises(ValueError, match="integer"):
+        TreeSpec.from_parents(torch.tensor([-1.0, 0.0, 1.0]))
+    assert TreeSpec.from_parents([-1, 0, 1]).num_nodes == 3  # negative control
+
+
 def test_small_tree_explicit():
     #       0
     #     / | \

@@ -577,10 +577,25 @@ def test_chain_validate_false_skips_value_checks():
     verify_chain(t, q * 0.5, d, validate=False)  # no value check, no error
 
 
+def test_bf16_draft_rows_at_a_large_vocabulary_pass_the_sum_check():
+    """Peaked rows rounded to bf16 from exact distributions (vocab 152k) sum to 1 within bf16's
+    eps but not within 1e-3: the tolerance follows the dtype; a row 5% off still fails."""
+    g = torch.Generator().manual_seed(0)
+    V = 152064
+    q = torch.softmax(torch.randn(1, 2, V, generator=g) * 10, -1).to(torch.bfloat16)  # [1, K=2, V]
+    assert ((q.float().sum(-1) - 1).abs() > 1e-3).any()  # a fixed 1e-3 would refuse these rows
+    t = torch.randn(1, 3, V, generator=g).to(torch.bfloat16)  # [1, K+1, V]
+    d = torch.multinomial(q[0].float(), 1, generator=g).T  # [1, K]
+    verify_chain(t, q, d, temperature=1.0, generator=g)
+    with pytest.raises(ValueError, match="sum to 1"):
+        verify_chain(t, q * 1.05, d, temperature=1.0)
+
+
 BAD_PARAMS = [
     (dict(temperature=-0.5), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=1e-39), "temperature"),  # logits / T would overflow float32
     (dict(top_k=0), "top_k"),
     (dict(top_k=-3), "top_k"),
     (dict(top_k=2.0), "top_k"),
