@@ -199,7 +199,7 @@ SUFFIX_CHILDREN = 4  # children per node in suffix trees
 SUFFIX_MIN_SCORE = 0.1
 # ... and only after a match of at least this many context tokens: a one-token match speculates where
 # prompt lookup (which needs a 2-gram) takes a plain step, and loses (multi-turn chat, SmolLM2 on a
-# 2-core CPU: benchmarks/suffix_replay.py compares min_match 1, 2 and 3)
+# 2-core CPU: benchmarks/suffix_min_match_bench.py)
 SUFFIX_MIN_MATCH = 2
 MIN_ATTEND = 256  # overridable for tests
 # autotune="auto" turns Inductor's GEMM autotuning on for CPU models of at least this many parameters:
