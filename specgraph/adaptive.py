@@ -314,7 +314,7 @@ class AutoDepth(DepthPolicy):
         plain rounds run nearest them in the call (:data:`COST_NEIGHBOURS`), so a drafted depth's
         factor says what it costs relative to plain decoding at the same stretch of host speed. A
         drafted round with no plain round within :data:`COST_NEAR` rounds of it is not timed: against
-        plain rounds from minutes before (or the bucket's old median) a slow stretch of drafted
+        plain rounds from minutes before (or the bucket's median from earlier calls) a slow stretch of drafted
         rounds read as a dear depth, price it out, and then only probes re-time it
         (tests/test_adaptive.py simulates a host slow 2.5x in stretches)."""
         if self.last_batch is None or not self.learn_cost:

@@ -626,9 +626,9 @@ class SpecGraphModel:
         config = {"freezing": self.freeze}
         device = next(self.model.parameters()).device
         if self.autotune:
-            # Inductor benchmarks its own GEMM template against the library call per shape: on this
-            # CPU its AVX-512 micro-kernel beats MKL for the few-row GEMMs of a decode round
-            # (SmolLM2 plain decoding 15.6 -> 20.0 tok/s), at ~2x the compile time
+            # Inductor benchmarks its own GEMM template against the library call per shape: on an
+            # AVX-512 CPU its micro-kernel beats MKL for the few-row GEMMs of a decode round
+            # (benchmarks/autotune_bench.py), at ~2x the compile time
             config.update(max_autotune=True,
                           max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
         self.inductor_config = dict(config)  # what every compiled graph of this object is built with
