@@ -314,9 +314,9 @@ class AutoDepth(DepthPolicy):
         plain rounds run nearest them in the call (:data:`COST_NEIGHBOURS`), so a drafted depth's
         factor says what it costs relative to plain decoding at the same stretch of host speed. A
         drafted round with no plain round within :data:`COST_NEAR` rounds of it is not timed: against
-        plain rounds from minutes before (or the bucket's median from earlier calls) a slow stretch of drafted
-        rounds read as a dear depth, price it out, and then only probes re-time it
-        (tests/test_adaptive.py simulates a host slow 2.5x in stretches)."""
+        plain rounds from minutes before (or the bucket's median from earlier calls) a slow
+        stretch of drafted rounds reads as a dear depth, prices it out, and then only probes re-time
+        it (tests/test_adaptive.py simulates a host slow 2.5x in stretches)."""
         if self.last_batch is None or not self.learn_cost:
             return
         model = dict(zip(self.depths, self.model_cost))  # the curve that call ran with, from its _reset
@@ -395,8 +395,8 @@ class AutoDepth(DepthPolicy):
         :data:`POOL_MAX`, and no more than it holds): as many as it has predicted the next call's
         acceptance well (:meth:`_call_drift`, the same beta-binomial reading across calls). A
         memory worth 4 observations is outweighed by one B = 4 round: four rejections at a 60%
-        draft (2.6% of rounds) read as 32% and switch a call off for good,
-        while a workload that changes from call to call needs a memory that fades."""
+        draft (2.6% of rounds) read as 32% and switch a call off for good, while a workload that
+        changes from call to call needs a memory that fades."""
         w = _beta_binomial_weight(*self.drift)
         return self.pool_weight if w is None else max(self.pool_weight, w)
 
@@ -451,8 +451,8 @@ class AutoDepth(DepthPolicy):
         ([rows]) if each depth ran to the end. A batch runs until its slowest row finishes, so with
         short calls its rounds are the expected maximum of the rows' counts, not their mean (at
         beta = 0.3, B = 16 and 24-token calls the per-round rate favours depth 2 while the slowest of
-        16 rows makes the batch take more rounds, and plain decoding wins). A row's count is taken as normal (renewal
-        theory): with per-round emissions x of mean mu and variance v, (left + E[x (x - 1)] / (2 mu))
+        16 rows makes the batch take more rounds, and plain decoding wins). A row's count is taken
+        as normal (renewal theory): with per-round emissions x of mean mu and variance v, (left + E[x (x - 1)] / (2 mu))
         / mu rounds, at least 1, and variance (left - 1) v / mu^3; plain decoding's is exact."""
         on = np.array(live, dtype=bool)
         n = np.asarray(left, dtype=np.float64)[on][:, None]  # [R, 1]

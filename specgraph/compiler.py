@@ -1213,7 +1213,8 @@ def compile(
 
     ``autotune=True`` lets Inductor pick, per GEMM shape, between its own GEMM template and the
     library call by benchmarking both (``max_autotune``): on a 2-core AVX-512 CPU SmolLM2's plain
-    decoding runs faster (``benchmarks/autotune_bench.py``), and each graph takes about twice as long to compile. ``"auto"``
+    decoding runs faster (``benchmarks/autotune_bench.py``), and each graph takes about twice as
+    long to compile. ``"auto"``
     (default): on for CPU models of at least ``AUTOTUNE_MIN_PARAMS`` parameters, off on CUDA and for
     small models (see :func:`resolve_autotune`).
 
