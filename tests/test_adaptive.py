@@ -308,7 +308,7 @@ def test_memory_weight_grows_while_calls_agree_and_falls_when_the_workload_chang
 
 
 def test_one_unlucky_round_does_not_switch_a_batch_off(monkeypatch):
-    """Round costs at B = 4 of depth 2: 1.63x a plain round, depth 4: 1.65x, calls at 60%: depth 4
+    """Round costs at B = 4 (depth 2: 1.63x a plain round, depth 4: 1.65x), calls at 60%: depth 4
     pays. A new call's first round rejects every row's first draft (2.6% of rounds): with the
     memory and the other rows counting as what they were seen to be worth, auto keeps drafting;
     with both held to pool_weight (POOL_MAX = 4) the four rejections read as 32% acceptance and
@@ -951,10 +951,10 @@ def _rounds_to_finish(rng, beta, depth, left, n=2000):
 def test_a_batch_is_judged_by_when_its_slowest_row_finishes(beta):
     """A static batch runs until its slowest row is done: 16 rows at 30% acceptance emit 1.39
     tokens per depth-2 round on average but need ~21 rounds for 24 tokens, not 17 (so plain
-    decoding can win where a per-round rate picks depth 2). finish_rounds predicts a Monte Carlo of the rows' counts within 10% (the largest
-    errors with a few tokens left), for full and ragged budgets; with depth 2 at 1.31x a plain
-    round and 24 tokens left, auto stays plain for 16 rows at 30%
-    acceptance and drafts for one."""
+    decoding can win where a per-round rate picks depth 2). finish_rounds predicts a Monte Carlo of
+    the rows' counts within 10% (the largest errors with a few tokens left), for full and ragged
+    budgets; with depth 2 at 1.31x a plain round and 24 tokens left, auto stays plain for 16 rows at
+    30% acceptance and drafts for one."""
     rng = np.random.default_rng(0)
     for left in ([24] * 16, [24], [1, 2, 2, 4, 7, 7, 5, 8, 3, 5, 3], [3, 3, 1, 4, 1]):
         pol = AutoDepth([2, 4], SimpleNamespace(round_cost=lambda d, b: 1.0), learn_cost=False)
