@@ -4,21 +4,20 @@ accepted drafts from a replay acceptance β, rounds "take" the cost curve of a b
 fake clock (drafted rounds ``--drafted-slowdown`` dearer, as the loop measures them), and the
 policy object carries its memory from call to call as it does in the benchmark.
 
-    python benchmarks/auto_sequence_sim.py benchmarks/results/batch_cpu_s17_llama1b_eager_b2_4_probecap.json \
+    python benchmarks/auto_sequence_sim.py BATCH_BENCH_JSON \
         --betas 0.3,0.6,0.9 --batch-sizes 2,4 --seeds 3
 
 Prints, per (β, B), the best fixed depth's expected time over auto's time for each call (warm-up
 first; above 1: auto faster) and the last call's depths; with ``--traces``, every call's depths and
 the pooled acceptance memory after it. Then, over all seeds, that ratio for the timed calls summed
 (a call's own draws make single calls noisy: about ±0.02 at 30 seeds) and the share of seeds whose
-median timed call, batch_bench's statistic, is under 0.95. Session 17 used it to find why auto
-lagged at β = 0.9, B = 2 after calls at β = 0.6 (the pooled memory, weighted by counts, was
-dominated by the B = 4 calls); session 18 to find that every call ended on a probe.
+median timed call, batch_bench's statistic, is under 0.95. It shows how auto's choices follow from
+the pooled memory and the probe schedule over a call sequence (e.g. how long calls at one β steer
+the next calls at another), without the model's run time.
 
 With ``--replay-masks --mask-offsets N`` the calls draft with batch_bench's own replay masks (pass 0)
 and N - 1 other draws of them, and the last line sums the shares into the cells a sweep is expected to
-miss by its drafts' luck alone (session 21: 1.0-1.4 of 18 on the s18-s21 JSONs, mostly β 0.6 B = 2 and 4
-and β 0.3 B = 8, whatever the memory's fading)."""
+miss by its drafts' luck alone."""
 from __future__ import annotations
 
 import argparse

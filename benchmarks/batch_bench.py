@@ -1,5 +1,5 @@
 """Batch throughput with speculation off, at fixed depths γ, and with ``num_speculative_tokens="auto"``
-(issue 6), for B = 1, 2, 4, 8, 16, 32.
+for B = 1, 2, 4, 8, 16, 32.
 
 Workloads (each a list of prompts cycled into static batches of B rows; all rows generate
 --max-new-tokens greedily, EOS disabled so every method produces the same number of tokens):
@@ -7,7 +7,7 @@ Workloads (each a list of prompts cycled into static batches of B rows; all rows
 * ``smollm2-ngram``: SmolLM2-135M-Instruct (``specgraph.models.load_model("default")``, fp32), the
   package's sample prompts (``specgraph.cli.BENCH_PROMPTS``) with prompt lookup drafts;
 * ``smollm2-draft6L``: the same with SmolLM2's first 6 of 30 layers as a draft model (prompt lookup
-  is not used): a draft whose cost is not repaid by its acceptance on this CPU, which "auto" must
+  is not used): a draft whose cost is not repaid by its acceptance on a 2-core CPU, which "auto" must
   switch off;
 * ``llama1b-replay-β``: a random-weight Llama of about 1.1B parameters (``LlamaConfig`` built here,
   fp32) on seeded random prompts, drafted by :class:`specgraph.drafters.ReplayDrafter`: the
@@ -25,7 +25,7 @@ order. The summary adds auto's paired ratio (median over runs of auto's throughp
 fastest method's in the same run) and its share of rounds at that method's depth.
 Every method's output is checked against "off" (greedy: equal).
 
-Targets (issue 6): auto >= 0.95 x max(off, best fixed γ) at every B; auto >= 0.90 x best fixed γ at B = 1.
+Targets: auto >= 0.95 x max(off, best fixed γ) at every B; auto >= 0.90 x best fixed γ at B = 1.
 
     python benchmarks/batch_bench.py --out benchmarks/results/batch_cpu.json         # full run: hours on 2 CPU cores
     python benchmarks/batch_bench.py --smoke --out /tmp/batch_smoke.json              # tiny models, B in 1,2
@@ -107,8 +107,8 @@ def run_batches(fast, batches, max_new_tokens, pad, method, gamma, run=-1):
     """All batches once under ``method``: (outputs, new tokens, rounds, depth histogram, round
     seconds by the depth that ran). A replay drafter corrupts batch i of timed run ``run`` (-1: the
     warm-up) with its own seed, the same for every method in that run: one seed for every call
-    replayed one draw of ~24 corruptions per row for the whole benchmark (session 14: at B = 1 and
-    β = 0.3, 7 of 24 positions clean, clustered, and every probe of auto's landing on the same ones)."""
+    would replay one draw of ~24 corruptions per row for the whole benchmark (at B = 1 and β = 0.3
+    a handful of clean positions, clustered, and every probe of auto's landing on the same ones)."""
     outs, tokens, rounds, depths, times, calls = [], 0, 0, {}, {}, []
     replay = getattr(fast, "chain_drafter", None)
     replay = replay if isinstance(replay, ReplayDrafter) else None
@@ -172,8 +172,8 @@ def bench_workload(name, fast, prompts, args, batch_sizes, gammas, extra=None):
         tps, last, traces = {m: [] for m, _ in methods}, {}, {m: [] for m, _ in methods}
         for run in range(args.runs):
             # each run goes round the methods in its own (seeded) order: with a fixed order auto always
-            # ran right after the deepest γ, and on a drifting host its plain rounds read up to 2x
-            # off's for the same graph (session 12, B >= 8); a rotation keeps those neighbours
+            # runs right after the deepest γ, and on a drifting host its plain rounds can read up to 2x
+            # off's for the same graph; a rotation keeps those neighbours
             for method, g in random.Random(run).sample(methods, len(methods)):
                 t0 = time.perf_counter()
                 last[method] = run_batches(fast, batches, args.max_new_tokens, pad, _kind(method), g, run)

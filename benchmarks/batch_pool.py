@@ -1,10 +1,10 @@
 """Pool several ``batch_bench.py`` sweeps of one policy into per-cell statistics over all their runs.
 
 One sweep's cell is three runs of 24-token calls: a single draw of a noisy statistic (the sequence
-simulator put 5-40% of seeds under 0.95x in cells whose expected ratio is 0.98-1.00, session 19).
-Sweeps taken on different days run at different absolute speeds (this shared host drifted 20-30%
-between sessions), so tokens per second are never pooled; each run is read against the methods
-that ran beside it in the same round of methods:
+simulator, ``auto_sequence_sim.py``, puts a sizeable share of seeds under 0.95x in cells whose
+expected ratio is near 1). Sweeps taken at different times run at different absolute speeds (a
+shared host drifts by tens of percent), so tokens per second are never pooled; each run is read
+against the methods that ran beside it in the same round of methods:
 
 * the best of (off, fixed γ): the method whose median over the pooled runs of its throughput over
   "off" in the same round is highest;
@@ -28,7 +28,7 @@ import statistics
 
 
 def meets_targets(batch: int, auto_vs_best: float, auto_vs_best_fixed: float) -> bool:
-    """Issue 6's targets for one cell: auto >= 0.95 x the best of (off, best fixed γ), and at B = 1
+    """The targets for one cell: auto >= 0.95 x the best of (off, best fixed γ), and at B = 1
     >= 0.90 x the best fixed γ."""
     return auto_vs_best >= 0.95 and (batch != 1 or auto_vs_best_fixed >= 0.90)
 

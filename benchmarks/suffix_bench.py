@@ -129,8 +129,8 @@ def main(argv=None) -> int:
                         continue
                     t0 = time.perf_counter()
                     # sampled runs reach lengths (attended widths, hence graphs) that depend on the
-                    # seed: warm up under each timed seed, or a timed run compiles (session 8 saw
-                    # 0.7 tok/s runs at T=0.7)
+                    # seed: warm up under each timed seed, or a timed run compiles (and its tokens per
+                    # second measure the compile)
                     for r in range(args.runs if sampling.get("do_sample") else 1):
                         if sampling.get("do_sample"):
                             torch.manual_seed(r)

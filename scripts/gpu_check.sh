@@ -13,7 +13,7 @@
 #   mkdir -p .gpu_carry_a .gpu_carry_b; n=$(( $(stat -c%s $f) / 2 )); head -c $n $f > .gpu_carry_a/part
 #   tail -c +$((n + 1)) $f > .gpu_carry_b/part; sha256sum $f | cut -c1-64 > .gpu_carry_b/sha256
 # and the gguf wheel (the device has no gguf; it has everything else) into .whl (see the device README).
-# Measured on the H200 (torch 2.11): tests ~100 s; compile + CUDA-graph record ~25 s per graph (one
+# Time on an H200: tests ~100 s; compile + CUDA-graph record ~25 s per graph (one
 # attended width per shape on CUDA), HF plain ~1.7 s per 128 tokens: the bench fits ~5 minutes.
 # Run the two calls back to back (the machine goes back after 30 s idle), timeout_s ~ BENCH_TIMEOUT + 60.
 # SPECGRAPH_GGUF=path skips the halves when the file is already on the machine.

@@ -1,5 +1,5 @@
 """``num_speculative_tokens="auto"``: the chain depth chosen each round from a running estimate of
-acceptance and a cost model (issue 6).
+acceptance and a cost model.
 
 The compiled object holds one graph per depth in a small fixed set (0, a plain step, plus e.g.
 2, 4, 8, or the depths a plan recommends): a round only ever picks one of them, so nothing is
@@ -14,20 +14,20 @@ observations' own. Later calls on the same object start new rows from what earli
 instead: the rows' counts are pooled per position at the end of each call into a memory whose
 weight halves with every call, and while it holds at least one observation at a position its
 acceptance there is the new rows' prior (a serving object learns its workload's acceptance once,
-not once per request; session 8 measured a third of a 64-token call spent relearning it). The
+not once per request: relearning it costs a sizeable share of a short call's rounds). The
 memory pools each call's whole counts (not the rows' EWMA, which weighs a call's last rounds), at
 most ``CALL_OBS`` per position and call (a call is one sample of the workload, whatever its batch
 size), and in a row's estimate it keeps the weight of up to ``pool_weight`` observations however
 many the row has made: a row's EWMA holds ~6, too few to place an acceptance near the break-even
-one on the right side (session 14: at B = 1 and 30% acceptance, where depth 2 paid from ~17%, three
-rejections in a row switched speculation off, and probes backing off to every 64 rounds rarely
-switched it back on: auto ran 0.78x of depth 2). How much more than that the memory, and the
+one on the right side (at B = 1 and 30% acceptance, where depth 2 pays from ~17%, three
+rejections in a row would switch speculation off, and probes backing off to every 64 rounds rarely
+switch it back on). How much more than that the memory, and the
 batch's other rows, count for in a row's estimate is read off past calls as in a beta-binomial
 model (up to ``POOL_MAX`` observations): the memory as much as it predicted each next call's
 acceptance (a workload that changes from call to call keeps it at ``pool_weight``), the other rows
 as much as rows of one call were seen to accept alike. Prompts that differ keep each row to its
-own counts and the memory's ``pool_weight``; rows drawn from one acceptance (session 18's replay
-benchmark, B = 4 at 60%) stop a single round that rejected every row's first draft from reading
+own counts and the memory's ``pool_weight``; rows drawn from one acceptance (e.g. B = 4 rows at
+60%) stop a single round that rejected every row's first draft from reading
 as 32% and switching a call off.
 Each round, the depth d minimising the predicted seconds until the batch is done
 
@@ -44,16 +44,15 @@ depth) as a ratio to the curve, a drafted round's divided by that of the plain r
 it, and from the next call on plain rounds cost the curve times their median ratio and a drafted
 depth that times its median relative ratio (a depth not yet timed borrows the nearest timed drafted
 depth's, else none). Only costs relative to plain decoding decide a round, and a shared host's speed
-drifts 2x within minutes: session 11 priced depth 2 at B = 2 at 2.27x its curve and stayed plain,
-while on a quiet host (session 12) the same rounds cost 1.27x a plain one with no cost for switching
-graphs, so most likely its few probes ran in slow stretches and were compared with plain rounds from
-quiet ones. So a drafted round is timed only when a plain round of the same call ran within
+can drift 2x within minutes: a few probes that run in slow stretches, compared with plain rounds
+from quiet ones, price a cheap depth out. So a drafted round is timed only when a plain round of
+the same call ran within
 ``COST_NEAR`` rounds of it, and a drafted depth never costs less than a plain round. While auto drafts
 round after round and the choice is close, it re-checks those costs now and then (one plain round,
 then one at the runner-up depth; :meth:`AutoDepth._recheck`), on a doubling schedule like the
-probes'. Graph calls timed in isolation miss the drafting and the loop around them: session 9
-measured rounds at depth 2 and B = 16 at the cost of a plain step in isolation but 17% dearer in the
-loop, and "auto" drafted where plain decoding won. So that drafted rounds are compared with plain
+probes'. Graph calls timed in isolation miss the drafting and the loop around them (a drafted round
+can cost a plain step in isolation and clearly more in the loop), so priced from them "auto" would
+draft where plain decoding wins. So that drafted rounds are compared with plain
 rounds timed alike, the first ``COST_MIN_PLAIN`` rounds at a batch bucket are plain. A depth must
 beat plain decoding by ``margin`` to be chosen. While speculation is off nothing is observed, so the
 policy re-probes: after ``probe_every`` plain rounds it runs one round at the smallest depth (but
@@ -142,7 +141,7 @@ class DepthPolicy:
         # a round runs from one choice to the next: the choice itself, any draft catch-up, the
         # drafting, the graph, the host sync and the loop's bookkeeping (the last round is not timed).
         # A round that built or loaded a graph (a new attended width, say) is not timed either: its
-        # seconds are the compile's (a frozen SmolLM2 graph compiles for 60-130 s on this CPU, and a
+        # seconds are the compile's (a frozen graph can take minutes to compile on a CPU, and a
         # few such rounds among a bucket's kept times would price a depth out for good)
         now, graphs = self.clock(), self._graph_count()
         if self._k_prev is not None and graphs == self._graphs_prev:
@@ -273,11 +272,11 @@ class AutoDepth(DepthPolicy):
         K = self.depths[-1]
         # fold the previous call's counts into the memory (rows that never drafted add nothing). Its
         # whole counts, not the rows' EWMA: those weigh a call's last ~6 rounds, and a call that ends
-        # on a rejecting stretch read as the workload's acceptance (session 14: a replay draft at
-        # beta = 0.3 pooled to 0.09-0.13 and auto stayed off while depth 2 won by 12-15%). At most
+        # on a rejecting stretch would read as the workload's acceptance (a draft accepting 30% can
+        # pool to ~10% and keep auto off where depth 2 pays). At most
         # CALL_OBS of them per position: a call is one sample of the workload whatever its batch, and
-        # counted whole a B = 4 call drafting depth 4 (~50 observations) outweighed the later B = 2
-        # calls mostly plain (2 per probe) for 2-4 calls after the workload changed (session 17)
+        # counted whole a B = 4 call drafting depth 4 (~50 observations) outweighs the later B = 2
+        # calls mostly plain (2 per probe) for several calls after the workload changes
         seen_acc, seen_cnt = self.row_acc.sum(axis=0), self.row_cnt.sum(axis=0)
         self.drift = MEMORY_KEEP * self.drift + self._call_drift(seen_acc, seen_cnt)
         scale = np.minimum(1.0, CALL_OBS / np.maximum(seen_cnt, 1.0))
@@ -294,16 +293,16 @@ class AutoDepth(DepthPolicy):
         # one round's cost at each depth for this batch bucket (the padded rows run too)
         self.last_batch = batch
         self.model_cost = np.array([self.cost.round_cost(d, batch) for d in self.depths])
-        # a drafted round does a plain one's work and more: learned factors that priced a drafted
-        # depth below plain decoding (timing noise) had auto draft a useless draft for good. Drafted
-        # depths are not clamped to each other: on a CPU a GEMM over more rows can be faster (session
-        # 17, 1B, B = 4: N = 5 rounds 567-580 ms, N = 3 643-662 ms, in the curve and in the loop), and
-        # pricing depth 4 at depth 2's cost kept auto plain at 0.83x of depth 4
+        # a drafted round does a plain one's work and more: learned factors that price a drafted
+        # depth below plain decoding (timing noise) would have auto draft a useless draft for good.
+        # Drafted depths are not clamped to each other: on a CPU a GEMM over more rows can be faster
+        # (N = 5 rounds cheaper than N = 3 ones, in the curve and in the loop), and pricing depth 4
+        # at depth 2's cost would keep auto plain where depth 4 pays
         costs = self.model_cost * self.cost_factors(batch)
         self.round_cost = np.maximum(costs, costs[0])
         # the re-probe schedule goes on where the last call at this bucket left it: restarting it
-        # at probe_every each call re-probed a draft that never pays 3-4 times per call (session 10,
-        # B = 16: those probe rounds, each ~2-4 plain steps, cost auto 11%)
+        # at probe_every each call would re-probe a draft that never pays 3-4 times per call, each
+        # probe round costing ~2-4 plain steps at large batches
         self.off_rounds, self.wait = self.probe_state.get(batch, (0, self.probe_every))
         self.on_rounds, self.recheck_wait = self.recheck_state.get(batch, (0, RECHECK_FIRST))
         self.neighbour = None  # the drafted depth a cost re-check runs right after its plain round
@@ -315,10 +314,9 @@ class AutoDepth(DepthPolicy):
         plain rounds run nearest them in the call (:data:`COST_NEIGHBOURS`), so a drafted depth's
         factor says what it costs relative to plain decoding at the same stretch of host speed. A
         drafted round with no plain round within :data:`COST_NEAR` rounds of it is not timed: against
-        plain rounds from minutes before (or the bucket's old median) a slow stretch of drafted
-        rounds read as a dear depth, priced it out, and then only probes re-timed it (session 14:
-        1B, B = 1, depth 2 learned at 1.77x plain while it ran at 1.16x; simulated on a host slow
-        2.5x ~40% of the time, auto reached 0.85x of the best at beta = 0.5, 0.97x with this)."""
+        plain rounds from minutes before (or the bucket's median from earlier calls) a slow
+        stretch of drafted rounds reads as a dear depth, prices it out, and then only probes re-time
+        it (tests/test_adaptive.py simulates a host slow 2.5x in stretches)."""
         if self.last_batch is None or not self.learn_cost:
             return
         model = dict(zip(self.depths, self.model_cost))  # the curve that call ran with, from its _reset
@@ -353,7 +351,7 @@ class AutoDepth(DepthPolicy):
         """[rows, K] estimated acceptance of draft j + 1 given drafts 1..j were accepted."""
         # the prior's weight decays with the observations like they do: with a fixed weight, an
         # EWMA holding ~6 observations never outweighs it, and a draft accepting nothing still
-        # reads as 12% acceptance (session 8: auto kept speculating where plain decoding won).
+        # reads as 12% acceptance (and auto keeps speculating where plain decoding wins).
         # After n observations it is prior_weight * decay**n, and cnt = (1 - decay**n) / (1 - decay)
         pw = self.prior_weight * np.clip(1.0 - (1.0 - self.decay) * self.cnt, 0.0, 1.0)
         pooled = self.pooled_acceptance()
@@ -388,17 +386,17 @@ class AutoDepth(DepthPolicy):
         around the workload's with intra-row correlation rho (estimated from calls' per-row counts,
         :meth:`_row_spread`), and a row's fair prior weight is 1 / rho - 1 observations. Judged alone,
         a row's ~6 observations read a 60% draft as 34% after three rejections, and a batch runs
-        until its slowest row is done, so the least lucky of B rows' estimates decided the batch
-        (session 18, 1B replay beta = 0.6, B = 4: auto 0.86x of depth 4 and mostly plain)."""
+        until its slowest row is done, so the least lucky of B rows' estimates would decide the
+        batch."""
         return _beta_binomial_weight(*self.spread)
 
     def memory_weight(self) -> float:
         """How many observations the pooled memory counts as (at least ``pool_weight``, up to
         :data:`POOL_MAX`, and no more than it holds): as many as it has predicted the next call's
         acceptance well (:meth:`_call_drift`, the same beta-binomial reading across calls). A
-        memory worth 4 observations was outweighed by one B = 4 round: four rejections at a 60%
-        draft (2.6% of rounds) read as 32% and switched a call off for good (session 19, simulated),
-        while a workload that changes from call to call needs a memory that fades."""
+        memory worth 4 observations is outweighed by one B = 4 round: four rejections at a 60%
+        draft (2.6% of rounds) read as 32% and switch a call off for good, while a workload that
+        changes from call to call needs a memory that fades."""
         w = _beta_binomial_weight(*self.drift)
         return self.pool_weight if w is None else max(self.pool_weight, w)
 
@@ -451,19 +449,18 @@ class AutoDepth(DepthPolicy):
     def finish_rounds(self, live: list[bool], left: np.ndarray) -> np.ndarray:
         """[len(depths)] expected rounds until every live row has emitted its ``left`` tokens
         ([rows]) if each depth ran to the end. A batch runs until its slowest row finishes, so with
-        short calls its rounds are the expected maximum of the rows' counts, not their mean (session
-        16, 1B replay beta = 0.3, B = 16, 24-token calls: a row emits 1.39 tokens per depth-2 round
-        on average but the batch took 21 rounds, 1.14 tokens per row per round, and plain decoding
-        won while the per-round rate picked depth 2). A row's count is taken as normal (renewal
-        theory): with per-round emissions x of mean mu and variance v, (left + E[x (x - 1)] / (2 mu))
+        short calls its rounds are the expected maximum of the rows' counts, not their mean (at
+        beta = 0.3, B = 16 and 24-token calls the per-round rate favours depth 2 while the slowest of
+        16 rows makes the batch take more rounds, and plain decoding wins). A row's count is taken
+        as normal (renewal theory): with per-round emissions x of mean mu and variance v, (left + E[x (x - 1)] / (2 mu))
         / mu rounds, at least 1, and variance (left - 1) v / mu^3; plain decoding's is exact."""
         on = np.array(live, dtype=bool)
         n = np.asarray(left, dtype=np.float64)[on][:, None]  # [R, 1]
         surv = np.cumprod(self.acceptance()[on], axis=1)  # [R, K] P(drafts 1..j accepted)
         j = np.arange(1, surv.shape[1] + 1)
         # a round emits at most what the row has left: drafts past it are accepted for nothing, and
-        # with short calls that waste grows with depth (session 15, 1B replay beta = 0.9, B = 16,
-        # 24-token calls: depth 4 emitted 3.0 tokens per row per round against 4.1 predicted)
+        # with short calls that waste grows with depth (at beta = 0.9 and 24-token calls depth 4
+        # would be predicted ~4 tokens per row per round where ~3 are emitted)
         surv = np.where(j < n, surv, 0.0)
         mu, ex2 = self._at_depths(surv), self._at_depths((2 * j + 1) * surv)  # [R, D] E[x], E[x^2]
         # the last round overshoots the budget by E[x (x - 1)] / (2 mu) tokens on average
@@ -499,7 +496,7 @@ class AutoDepth(DepthPolicy):
         self.off_rounds, self.on_rounds = self.off_rounds + 1, 0
         # re-probe: nothing is observed while off. Not in a round where no live row has more than
         # one token left: there a probe emits nothing more than a plain round and costs a drafted
-        # round (session 18: every 24-token call's last round was a probe, ~3% of a call at 1B B = 2)
+        # round (otherwise a call's last round is often a probe, a few percent of a short call)
         last = left is not None and max((n for n, on in zip(left, live) if on), default=0) <= 1
         if not last and self.off_rounds > min(self.wait, self._probe_cap(probe_rate)):
             self.off_rounds, self.wait = 0, min(2 * self.wait, self.probe_max)
@@ -512,10 +509,9 @@ class AutoDepth(DepthPolicy):
         depth's in-loop cost is read once before it is priced (a call's choices, not its timed
         rounds: a round that built a graph is not timed, and must not change later choices). An
         untimed depth is priced from the cost curve times a timed neighbour's in-loop ratio, and the
-        curve's own shape between depths is as noisy as a shared host (session 20, 1B, B = 4: the
-        curve put depth 2 at 2.04x and depth 4 at 2.22x a plain round, the loop ran both at ~1.6x;
-        depth 2's rounds corrected its own price, depth 4 kept 1.73x, and at 60% acceptance auto ran
-        a call plain where depth 4 was 1.14x faster: 0.84x of it)."""
+        curve's own shape between depths is as noisy as a shared host: with only depth 2 probed,
+        depth 2's rounds correct its own price while depth 4 keeps the curve's error, and auto can
+        run plain where depth 4 pays (tests/test_adaptive.py)."""
         if self.learn_cost:
             ran = set(self.trace) | set(self.timed.get(self.last_batch, {}))
             untimed = [d for d in self.depths[1:] if d not in ran]
@@ -528,10 +524,10 @@ class AutoDepth(DepthPolicy):
         :data:`PROBE_BUDGET` of plain decoding's time (at least ``probe_every``): a probe round at the
         smallest depth instead of a plain one costs about that depth's predicted shortfall times its
         round cost, in plain rounds. Where drafting is only just short of paying, a probe is nearly
-        free, and a 64-round wait is slow to notice a workload that began to accept more (session 17,
-        1B replay, B = 2: after calls at 60% acceptance, where depth 2 fell ~5% short, auto ran two of
-        three 24-token calls at 90% acceptance plain, 0.83x of depth 2; with the cap 0.80x, as each
-        call's rows still start from a pooled memory the earlier calls dominate: :data:`CALL_OBS`).
+        free, and a 64-round wait is slow to notice a workload that begins to accept more (after
+        calls where depth 2 falls ~5% short, later calls that accept more run plain until a probe
+        reads them; each call's rows also start from a pooled memory the earlier calls must not
+        dominate: :data:`CALL_OBS`).
         ``rate`` prices every round at its depth, the last one included: the finish-time rates
         price the last round as plain at every depth, which read a probe near a call's end as free."""
         shortfall = max(0.0, 1.0 - float(rate[1] / rate[0]))
@@ -543,9 +539,9 @@ class AutoDepth(DepthPolicy):
         in the next round the runner-up drafted depth, so that both depths' rounds run within
         :data:`COST_NEAR` rounds of a plain one and are timed. Without it a call that only drafted
         adds no round times (a drafted round's cost is only read next to plain ones), so once auto
-        drafts every round at a bucket its drafted costs stay what its first call read (session 15,
-        1B, B = 16, beta = 0.9: depth 4 learned at 1.34x a plain round while it ran at ~2x, and
-        depth 2, 10% faster, never ran again). A re-check comes after ``recheck_wait`` drafted rounds
+        drafts every round at a bucket its drafted costs stay what its first call read (a depth
+        priced below its real cost in that call keeps being chosen, and a faster depth never runs
+        again). A re-check comes after ``recheck_wait`` drafted rounds
         with no plain one, the wait doubling up to ``probe_max`` and carried over between calls at
         the bucket, and only while the choice is close: the runner-up (plain decoding included)
         predicted within :data:`RECHECK_BAND` of the best."""

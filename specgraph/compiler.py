@@ -199,13 +199,14 @@ SUFFIX_CHILDREN = 4  # children per node in suffix trees
 # this: on a CPU a drafted token costs ~10% of a plain step, so a node below that loses on average.
 SUFFIX_MIN_SCORE = 0.1
 # ... and only after a match of at least this many context tokens: a one-token match speculates where
-# prompt lookup (which needs a 2-gram) takes a plain step, and loses (multi-turn chat, SmolLM2 on this
-# CPU: 0.87x prompt lookup with 1, 1.01x with 2; median of 3 interleaved runs)
+# prompt lookup (which needs a 2-gram) takes a plain step, and loses (multi-turn chat, SmolLM2 on a
+# 2-core CPU: benchmarks/suffix_min_match_bench.py)
 SUFFIX_MIN_MATCH = 2
 MIN_ATTEND = 256  # overridable for tests
 # autotune="auto" turns Inductor's GEMM autotuning on for CPU models of at least this many parameters:
-# SmolLM2-135M on a 2-core CPU decoded 1.28x faster plain and 1.46x with prompt lookup, for ~2x the
-# compile time; for tiny models the GEMMs are not what a step costs, so only the compile time would grow.
+# SmolLM2-135M on a 2-core CPU decodes faster plain and with prompt lookup, for ~2x the compile time
+# (benchmarks/autotune_bench.py); for tiny models the GEMMs are not what a step costs, so only the
+# compile time would grow.
 # On CUDA it stays off (Triton autotuning of every GEMM shape adds minutes per graph).
 AUTOTUNE_MIN_PARAMS = 50_000_000
 # On CUDA each width is one more graph to compile and record (~25 s each for SmolLM2 on an H200), while
@@ -642,9 +643,9 @@ class SpecGraphModel:
         config = {"freezing": self.freeze}
         device = next(self.model.parameters()).device
         if self.autotune:
-            # Inductor benchmarks its own GEMM template against the library call per shape: on this
-            # CPU its AVX-512 micro-kernel beats MKL for the few-row GEMMs of a decode round
-            # (SmolLM2 plain decoding 15.6 -> 20.0 tok/s), at ~2x the compile time
+            # Inductor benchmarks its own GEMM template against the library call per shape: on an
+            # AVX-512 CPU its micro-kernel beats MKL for the few-row GEMMs of a decode round
+            # (benchmarks/autotune_bench.py), at ~2x the compile time
             config.update(max_autotune=True,
                           max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
         self.inductor_config = dict(config)  # what every compiled graph of this object is built with
@@ -1229,7 +1230,8 @@ def compile(
 
     ``autotune=True`` lets Inductor pick, per GEMM shape, between its own GEMM template and the
     library call by benchmarking both (``max_autotune``): on a 2-core AVX-512 CPU SmolLM2's plain
-    decoding ran 1.28x faster, and each graph takes about twice as long to compile. ``"auto"``
+    decoding runs faster (``benchmarks/autotune_bench.py``), and each graph takes about twice as
+    long to compile. ``"auto"``
     (default): on for CPU models of at least ``AUTOTUNE_MIN_PARAMS`` parameters, off on CUDA and for
     small models (see :func:`resolve_autotune`).
 

@@ -4,7 +4,7 @@ With ``freezing`` Inductor turns the weights into constants of each compiled gra
 prepacks them there (MKL-packed linears, the CPP GEMM template's blocked layout), so every frozen
 graph holds its own copy of the weights it uses: SmolLM2-135M fp32 is ~530 MB per graph, and one
 object serving greedy and sampled rounds at two widths and three depths holds ~12 of them. Three
-such objects filled a 24 GB machine, which then swapped until the run was stopped. Past the budget
+such objects fill a 24 GB machine, which then swaps. Past the budget
 further graphs compile unfrozen (library GEMMs on the live weights: slower on CPU, no copy).
 
 The account is per device type (host RAM for CPU graphs, device memory for CUDA graphs) and is

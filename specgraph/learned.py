@@ -142,7 +142,7 @@ def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, 
     """Seconds of one eager target step of N query tokens over a ``context``-token slot cache, per N in
     ``query_sizes``, and of one eager head step (+ its draft logits) of Q rows, per Q in
     ``head_rows``: what rounds cost with ``backend="eager"``. Not a proxy for compiled rounds (for
-    SmolLM2 on a 2-core CPU eager t(5)/t(1) was 2.2 against ~1.4 compiled with GEMM autotuning):
+    SmolLM2 on a 2-core CPU eager t(5)/t(1) is about 2.2 against ~1.4 compiled with GEMM autotuning):
     those are timed by :func:`measure_compiled_tree_costs`."""
     import statistics
 

@@ -137,7 +137,7 @@ class OnnxSpecGenerator:
                            if self.tree is not None and self.tree["kind"] == "static" else None)
         if self.draft == "suffix":
             settings = dict(man["suffix"])
-            # pruning of suffix drafts by estimated path probability, as at export (compiler default before it was recorded)
+            # pruning of suffix drafts by estimated path probability, as at export (the compiler default where the manifest has none)
             self._suffix_min_score = settings.pop("min_score", SUFFIX_MIN_SCORE)
             self.suffix_index = suffix_index if suffix_index is not None else SuffixIndex(**settings)
         elif suffix_index is not None:

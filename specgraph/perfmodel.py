@@ -143,7 +143,7 @@ def speedup_table(betas: Sequence[float], gammas: Sequence[int], c: float) -> li
 
 
 # ----------------------------------------------------------------------------------------------
-# measured costs (issue 6): the planner and num_speculative_tokens="auto"
+# measured costs: the planner and num_speculative_tokens="auto"
 #
 # The closed form above assumes verifying γ+1 tokens costs one step. That holds only while a step
 # is memory-bound; with a batch of B rows a round processes B(γ+1) tokens and soon costs more. The
@@ -254,7 +254,7 @@ class CostCurve:
 class LinearCost:
     """A built-in cost curve for when nothing was measured: t(N, B) = overhead + per_token N B (in
     units of one weight pass). The default (per_token = 1/9 of the overhead) makes a round over 10
-    tokens cost twice a plain step at batch 1, as measured for SmolLM2 on a 2-core CPU, and keeps
+    tokens cost twice a plain step at batch 1, close to SmolLM2 on a 2-core CPU, and keeps
     growing with B N: conservative (a GPU is flatter), so unmeasured speculation errs towards off."""
 
     def __init__(self, overhead: float = 1.0, per_token: float = 1.0 / 9.0):
@@ -428,8 +428,8 @@ def predicted_workload_speedup(rows, cost: CostModel, gamma: int, b: int = 1) ->
     per-round model says: row i needs about n_i / E_i(γ) rounds, the batch max_i of that, against
     max_i n_i plain rounds; a round drafts when any row drafts: 1 - Π (1 - p_i) over the batch's
     *distinct* sequences, since a sequence cycled into one batch twice decodes the same way twice and
-    drafts in the same rounds (session 18's plan, 4 prompt-lookup prompts at B = 16: counted as 16
-    independent rows, γ = 4 predicted 0.64x of plain, measured 0.86x)."""
+    drafts in the same rounds (4 prompts cycled to B = 16 and counted as 16 independent rows would
+    predict far too many drafting rounds)."""
     rows = list(rows)
     if not rows:
         raise ValueError("a workload needs at least one sequence")

@@ -1,4 +1,4 @@
-"""The planner (issue 6): measure what speculation costs and gains on this machine, fit
+"""The planner: measure what speculation costs and gains on this machine, fit
 :mod:`specgraph.perfmodel`, and recommend a chain depth γ per batch size.
 
 ``specgraph.plan(fast, prompts)`` (and ``specgraph plan MODEL``) measures, on the compiled object
@@ -66,8 +66,7 @@ class Plan:
         for b in batch_sizes:
             s = {g: p.speedup(g, b) for g in depths}
             # a depth predicted less than auto's MARGIN faster than plain is not recommended: it
-            # costs graphs and, within the fit's error, may be slower (session 18: B = 4 recommended
-            # γ = 7 at a predicted 1.00x, measured 0.94x)
+            # costs graphs and, within the fit's error, may be slower
             best = max(depths, key=lambda g: (s[g], -g))
             p.recommended[b] = best if s[best] > 1.0 + MARGIN else 0
         shown = sorted({*depths, *(g for row in p.measured.values() for g in row)})
@@ -248,10 +247,10 @@ def measure_round_costs(fast, batch_sizes, grid, context: int, repeats: int = 5,
 
     Every shape is built (compiled, or loaded) and called ``warmup`` more times before any is timed,
     then the timed calls go round the shapes in turn, ``repeats`` times. Timed right after its own
-    compile, each shape gave a curve that contradicted itself on this 2-core host (session 11,
-    SmolLM2 frozen: B=1 N=1 155 ms against 78 ms for N=3 and 65 ms in the loop; B=16 N=1 423 ms
-    against 207 ms for B=32); built first and timed in turn it came out monotone in N (session 12),
-    and a slow stretch of a shared host spreads over every shape instead of landing on one."""
+    compile, a shape's first calls run slow (caches, allocator, a busy host) and the curve can
+    contradict itself (N = 1 dearer than N = 3); built first and timed in turn the curve stays
+    monotone in N, and a slow stretch of a shared host spreads over every shape instead of
+    landing on one."""
     from specgraph.compiler import attend_width
     from specgraph.warping import SamplingParams
 

@@ -10,7 +10,7 @@ would emit, so every label is the target's own: its greedy token (argmax, cached
 distribution over the draft vocabulary (recomputed exactly from the cached final features, since
 the LM head is frozen and shared). The question is which *contexts* to use. Letting the target
 write its own answers gives exactly the contexts met at inference, but it is expensive here:
-measured on the shared 2-core CPU (SmolLM2-135M, fp32, about one core effectively free), a
+on a shared 2-core CPU (SmolLM2-135M, fp32, about one core effectively free), a
 teacher-forced pass caches ~80 tokens/s (130 per CPU-second), while batched greedy generation
 (HF ``generate``, 16 prompts) decodes ~15 tokens/s, i.e. ~5x more per answer token before its
 prompt and the feature pass are paid. Generating everything would leave ~15k answer tokens in the
@@ -312,7 +312,7 @@ def answer_engine(model, kind: str, batch: int):
     """What writes the generated answers: ``"hf"`` (``model.generate``, None here) or
     ``"specgraph"``: this package's compiled prompt-lookup decoder, whose greedy tokens equal
     ``model.generate``'s (the project's contract, tested); answers about a snippet quote it, which
-    prompt lookup drafts. Its data rate against HF generate on SmolLM2 is not measured yet."""
+    prompt lookup drafts. No benchmark compares its data rate with HF generate's."""
     if kind not in GEN_ENGINES:
         raise ValueError(f"--gen-engine must be one of {', '.join(GEN_ENGINES)}, got {kind!r}")
     if kind == "hf":

@@ -1,5 +1,5 @@
 """``num_speculative_tokens="auto"`` (specgraph.adaptive), the replay drafter, batch serving and the
-planner (issue 6), on tiny random models with the eager backend.
+planner, on tiny random models with the eager backend.
 
 * greedy output equals ``model.generate`` with auto on, for every chain drafter, batch 1 and a
   left-padded batch of 5, while the depth really changes between rounds;
@@ -204,13 +204,13 @@ def test_memory_pools_rows_per_position_and_fades_per_call():
 
 def test_memory_pools_whole_calls_not_the_rows_latest_rounds():
     """A call whose row accepts the first draft in 10 of 16 rounds, the last 6 rejected: the memory
-    holds 10/16, not the row's EWMA at the call's end (which weighs its last ~6 rounds and read
-    a replay draft at beta = 0.3 as 9-13% acceptance, session 14)."""
+    holds 10/16, not the row's EWMA at the call's end (which weighs its last ~6 rounds and can read
+    a draft accepting 30% as ~10%)."""
     pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
     pol._reset(1, 1)
     for r in range(16):
         pol._update(2, [2 if r < 10 else 1], [True])
-    ewma = pol.acc[0, 0] / pol.cnt[0, 0]  # what the old memory pooled
+    ewma = pol.acc[0, 0] / pol.cnt[0, 0]  # what pooling the rows' EWMA would give
     pol._reset(1, 1)
     assert pol.pooled_acceptance()[0] == pytest.approx(10 / 16)
     assert ewma < 0.35
@@ -219,8 +219,8 @@ def test_memory_pools_whole_calls_not_the_rows_latest_rounds():
 def test_one_call_adds_at_most_call_obs_observations_to_the_memory():
     """A call is one sample of the workload whatever its batch: a B = 4 call drafting depth 4 for
     13 rounds (52 observations at position 1) enters the memory as CALL_OBS of them, so a later
-    B = 2 call's 8 observations move it (session 17: at 1B, beta 0.9, B = 2, the memory still held
-    the B = 4 calls at beta 0.6 for 2-4 calls and each call started below break-even)."""
+    B = 2 call's 8 observations move it (uncapped, the B = 4 calls would hold the memory for
+    several calls after the workload changes, each call starting from a stale acceptance)."""
     pol = AutoDepth([4], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
     pol._reset(4, 4)
     for _ in range(13):
@@ -237,7 +237,7 @@ def test_one_call_adds_at_most_call_obs_observations_to_the_memory():
 
 def test_no_probe_in_a_round_that_can_only_emit_one_token():
     """A probe in a round where every live row has one token left emits nothing a plain round
-    would not and costs a drafted round (session 18: every 24-token call at 1B ended on one)."""
+    would not and costs a drafted round."""
     pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
     pol._reset(2, 2)
     for _ in range(20):
@@ -250,7 +250,7 @@ def test_no_probe_in_a_round_that_can_only_emit_one_token():
 def test_pooled_memory_keeps_its_weight_through_a_row_s_unlucky_rounds():
     """Depth 2 costs 1.16x a plain round and the workload accepts 30% (pays from ~17%): after
     calls that saw 30%, a new row's three rejections in a row do not switch speculation off; its
-    own EWMA alone (pool_weight=0, the prior fading as before) does."""
+    own EWMA alone (pool_weight=0, the prior still fading) does."""
     cost = SimpleNamespace(round_cost=lambda d, b: {0: 1.0, 2: 1.16}[d])
     decisions = {}
     for w in (4.0, 0.0):
@@ -308,11 +308,11 @@ def test_memory_weight_grows_while_calls_agree_and_falls_when_the_workload_chang
 
 
 def test_one_unlucky_round_does_not_switch_a_batch_off(monkeypatch):
-    """1B replay cost at B = 4 (depth 2: 1.63x a plain round, depth 4: 1.65x), calls at 60%: depth 4
+    """Round costs at B = 4 (depth 2: 1.63x a plain round, depth 4: 1.65x), calls at 60%: depth 4
     pays. A new call's first round rejects every row's first draft (2.6% of rounds): with the
     memory and the other rows counting as what they were seen to be worth, auto keeps drafting;
     with both held to pool_weight (POOL_MAX = 4) the four rejections read as 32% acceptance and
-    switched the call off (session 19, the simulator's traces of the 0.86x cell)."""
+    switch the call off."""
     cost = SimpleNamespace(round_cost=lambda d, b: {0: 1.0, 2: 1.63, 4: 1.65}[d])
     decisions, caps = {}, (adaptive.POOL_MAX, adaptive.POOL_WEIGHT)
     for cap in caps:
@@ -360,10 +360,9 @@ def simulate_replay(pol, beta, cost, seed, fixed=0, calls=20, max_new=24, drift=
 
 
 def test_auto_matches_the_best_depth_near_the_break_even_acceptance():
-    """The 1B replay cell at B = 1 (session 13: auto 0.78x the best; it stayed plain while depth 2
-    won by 12%), simulated without the model: in-loop costs plain 1, depth 2 1.16, depth 4 2.04
-    (measured there), beta = 0.3, 24-token calls. Over 8 seeded workloads auto reaches >= 0.95x
-    the best of off and fixed depths (0.965x); the policy before session 14 reached 0.92x."""
+    """A replay draft at B = 1 near break-even, simulated without a model: in-loop costs plain 1,
+    depth 2 1.16, depth 4 2.04, beta = 0.3 (depth 2 pays from ~17%), 24-token calls. Over 8 seeded
+    workloads auto reaches >= 0.95x the best of off and fixed depths."""
     cost = {0: 1.0, 2: 1.16, 4: 2.04}
     model = SimpleNamespace(round_cost=lambda d, b: cost[d])
     ratios = []
@@ -375,12 +374,11 @@ def test_auto_matches_the_best_depth_near_the_break_even_acceptance():
 
 
 def test_auto_learns_round_costs_on_a_drifting_host():
-    """In-loop costs plain 1, depth 2 1.16, depth 4 2.04 (the 1B cell), beta = 0.5, and a host slow
-    2.5x for stretches. Timing drafted rounds against plain rounds from elsewhere in the call (or the
-    bucket's old median) priced depth 2 out in slow stretches: 0.84x the best fixed method on
-    average over 24 seeded hosts (session 14); timing them only near plain rounds, and never below
-    plain decoding, gives 0.95x (over 48 hosts 0.85 -> 0.97x; at beta 0.3 0.91 -> 0.95x, at beta
-    0.9 0.90 -> 0.99x)."""
+    """In-loop costs plain 1, depth 2 1.16, depth 4 2.04, beta = 0.5, and a host slow 2.5x for
+    stretches. Timing drafted rounds against plain rounds from elsewhere in the call (or the
+    bucket's median from earlier calls) prices depth 2 out in slow stretches; timing them only near
+    plain rounds, and never below plain decoding, keeps auto at >= 0.92x the best fixed method on
+    average over 24 seeded hosts."""
     cost = {0: 1.0, 2: 1.16, 4: 2.04}
     model = SimpleNamespace(round_cost=lambda d, b: cost[d])
     ratios = []
@@ -422,15 +420,15 @@ def test_per_row_estimates_follow_each_row():
 
 def test_prior_fades_so_a_useless_draft_is_switched_off_even_when_drafts_are_cheap():
     """Drafts that are never accepted, rounds at depth 2 only 10% dearer than plain: the estimate
-    must fall well below the 10% that would still pay. With the prior's weight fixed (before
-    session 8) it stayed at ~12% forever and speculation never turned off."""
+    must fall well below the 10% that would still pay. With the prior's weight fixed it would stay
+    at ~12% forever and speculation would never turn off."""
     pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
     pol._reset(1, 1)
     for _ in range(20):
         pol._update(2, [1], [True])
     assert pol.acceptance()[0, 0] < 0.02
     assert pol._decide([True]) == 0
-    # the old estimate from the same counts, for contrast: the prior at its full weight
+    # a fixed-weight prior's estimate from the same counts, for contrast: the prior at its full weight
     old = (pol.acc[0, 0] + pol.prior_weight * pol.prior) / (pol.cnt[0, 0] + pol.prior_weight)
     assert old > 0.1
 
@@ -552,17 +550,16 @@ def test_a_drafted_depth_never_costs_less_than_plain_decoding():
 
 
 def test_a_deeper_depth_cheaper_than_a_shallower_one_is_priced_as_measured(monkeypatch):
-    """On a CPU a GEMM over more rows can run faster (session 17, 1B, B = 4: 5 query tokens per row
-    567 ms, 3 tokens 643 ms, plain 388 ms). Only plain decoding bounds a drafted depth's cost from
-    below: clamped to depth 2's cost, depth 4 pays only from ~55% acceptance, not ~45% (there, at 60%
-    acceptance after calls at 30%, auto stayed plain: 0.83x of depth 4)."""
+    """On a CPU a GEMM over more rows can run faster (here at B = 4: 5 query tokens per row 567 ms,
+    3 tokens 643 ms, plain 388 ms). Only plain decoding bounds a drafted depth's cost from below:
+    clamped to depth 2's cost, depth 4 pays only from ~55% acceptance, not ~45%."""
     curve = CostCurve({4: {1: 0.388, 3: 0.643, 5: 0.567}})
     pol = AutoDepth([2, 4], CostModel(curve), AcceptanceProfile.from_beta(0.5), learn_cost=False)
     pol._reset(4, 4)
     assert pol.round_cost.tolist() == pytest.approx([0.388, 0.643, 0.567])
     left = np.full(4, 24)
     assert pol._decide([True] * 4, left) == 4
-    monkeypatch.setattr(pol, "round_cost", np.maximum.accumulate(pol.round_cost))  # the old clamp
+    monkeypatch.setattr(pol, "round_cost", np.maximum.accumulate(pol.round_cost))  # clamped to shallower depths
     assert pol._decide([True] * 4, left) == 0
 
 
@@ -605,13 +602,13 @@ def batch_calls(pol, cost, calls, max_new=24, seed=0):
 
 
 def test_probes_time_each_depth_once_so_a_deep_depth_the_curve_overprices_is_found(monkeypatch):
-    """Session 20, 1B: at B = 4 the cost curve read depth 2 at 2.04x and depth 4 at 2.22x a plain
-    round; in the loop both ran at ~1.5x. As in batch_bench, B = 4 calls at 30% acceptance (plain
+    """At B = 4 the cost curve reads depth 2 at 2.04x and depth 4 at 2.22x a plain round; in the
+    loop both run at ~1.5x. As in batch_bench, B = 4 calls at 30% acceptance (plain
     wins) come first, then B = 1 calls at 60% (the memory learns 60%), then B = 4 calls at 60%,
-    where depth 4 pays (~1.15x plain). Probing at depth 2 only, auto corrected depth 2's price but
-    priced depth 4 from the curve times depth 2's in-loop ratio (1.63x) and ran most of the 60% B = 4
-    calls plain (0.84x of depth 4 in the sweep); probing each untimed depth once, the 30% calls read
-    depth 4's price and the 60% calls draft at depth 4."""
+    where depth 4 pays (~1.15x plain). Probing at depth 2 only, auto would correct depth 2's price
+    but price depth 4 from the curve times depth 2's in-loop ratio (1.63x) and run most of the 60%
+    B = 4 calls plain; probing each untimed depth once, the 30% calls read depth 4's price and the
+    60% calls draft at depth 4."""
     curve = CostCurve({1: {1: 0.191, 3: 0.211, 5: 0.383}, 4: {1: 0.360, 3: 0.733, 5: 0.798}})
     loop = {1: {0: 0.19, 2: 0.20, 4: 0.34}, 4: {0: 0.36, 2: 0.57, 4: 0.53}}
     calls = [(0.3, 4)] * 4 + [(0.6, 1)] * 8 + [(0.6, 4)] * 4
@@ -646,7 +643,7 @@ def test_probes_of_a_draft_just_short_of_paying_come_often():
     """The wait between re-probes is capped where a probe is cheap: a never-accepted draft whose
     round costs 1.095 plain rounds loses ~0.095 of one per probe, so probing every ~10 rounds keeps
     to PROBE_BUDGET (1%) of the time; doubling alone waits up to PROBE_MAX = 64 rounds, slow to
-    notice a workload that begins to accept (session 17)."""
+    notice a workload that begins to accept."""
     pol = AutoDepth([2], CostModel(LinearCost(1.0, 0.05)), learn_cost=False)
     (trace,) = simulate_calls(pol, {0: 1.0, 2: 1.0}, n_calls=1, rounds=160, emitted=1)
     on = [i for i, k in enumerate(trace) if k > 0]
@@ -922,8 +919,8 @@ def test_cost_curve_builds_every_shape_before_timing_them_in_turn():
 def test_a_row_s_remaining_budget_caps_its_predicted_tokens():
     """A draft accepted 90% of the time, depth 4 cheap enough to beat depth 2 on open-ended rows:
     a row that may emit only 3 more tokens gains nothing past depth 2, one with 1 left nothing from
-    drafting at all, and a batch is judged by what its rows can still emit (session 15: with
-    24-token calls depth 4 emitted 3.0 tokens per row per round against 4.1 predicted)."""
+    drafting at all, and a batch is judged by what its rows can still emit (with 24-token calls
+    the budget cuts depth 4's rounds well below the open-ended prediction)."""
     cost = {0: 1.0, 2: 1.3, 4: 1.5}
     pol = AutoDepth([2, 4], SimpleNamespace(round_cost=lambda d, b: cost[d]), learn_cost=False)
     pol.start(SimpleNamespace(draft="custom", backend="eager"), [[1, 2, 3], [4, 5, 6]], 2, "cpu")
@@ -953,12 +950,11 @@ def _rounds_to_finish(rng, beta, depth, left, n=2000):
 @pytest.mark.parametrize("beta", [0.3, 0.6, 0.9])
 def test_a_batch_is_judged_by_when_its_slowest_row_finishes(beta):
     """A static batch runs until its slowest row is done: 16 rows at 30% acceptance emit 1.39
-    tokens per depth-2 round on average but need ~21 rounds for 24 tokens, not 17 (session 16: the
-    1B replay cell at B = 16 took 21 rounds, and plain decoding won while a per-round rate picked
-    depth 2). finish_rounds predicts a Monte Carlo of the rows' counts within 10% (the largest
-    errors with a few tokens left), for full and ragged budgets; with depth 2 at 1.31x a plain
-    round (the 1B at B = 16 on this host) and 24 tokens left, auto stays plain for 16 rows at 30%
-    acceptance and drafts for one."""
+    tokens per depth-2 round on average but need ~21 rounds for 24 tokens, not 17 (so plain
+    decoding can win where a per-round rate picks depth 2). finish_rounds predicts a Monte Carlo of
+    the rows' counts within 10% (the largest errors with a few tokens left), for full and ragged
+    budgets; with depth 2 at 1.31x a plain round and 24 tokens left, auto stays plain for 16 rows at
+    30% acceptance and drafts for one."""
     rng = np.random.default_rng(0)
     for left in ([24] * 16, [24], [1, 2, 2, 4, 7, 7, 5, 8, 3, 5, 3], [3, 3, 1, 4, 1]):
         pol = AutoDepth([2, 4], SimpleNamespace(round_cost=lambda d, b: 1.0), learn_cost=False)
@@ -978,10 +974,9 @@ def test_a_batch_is_judged_by_when_its_slowest_row_finishes(beta):
 
 
 def test_cost_recheck_corrects_a_depth_priced_wrong_in_drafted_only_calls(monkeypatch):
-    """A bucket's first call priced depth 4 at 0.6x its real cost (noise), so auto drafts at depth 4
+    """A bucket's first call prices depth 4 at 0.6x its real cost (noise), so auto drafts at depth 4
     every round from then on; a call that only drafts times nothing (drafted rounds are read next to
-    plain ones), so without re-checks the wrong price stands for good (session 15, 1B, B = 16: depth
-    4 learned at 1.34x a plain round, ran at ~2x, and depth 2 won by 10%). In-loop costs plain 1,
+    plain ones), so without re-checks the wrong price stands for good. In-loop costs plain 1,
     depth 2 1.16, depth 4 2.6 (depth 2 wins at 90% acceptance: 2.71 / 1.16 against 4.1 / 2.6);
     over 8 seeded workloads of 30 calls of 64 tokens auto reaches >= 0.95x the best fixed depth with
     the re-checks and stays below 0.85x without them."""

@@ -1,5 +1,5 @@
 """benchmarks/batch_bench.py --smoke end to end (tiny random models, eager): the script runs, every
-method's greedy output equals speculation off, and the JSON carries what the closing notes quote
+method's greedy output equals speculation off, and the JSON carries what its results report
 (throughput per method, auto's ratios, in-loop round times, auto's learned cost factors and its
 share of rounds at the fastest method's depth, and its run-by-run ratio to that method)."""
 from __future__ import annotations

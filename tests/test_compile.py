@@ -271,7 +271,7 @@ def test_ngram_acceptance_on_periodic_continuation():
 
 
 def _hide_in_step_ancestors(orig):
-    """Queries no longer see the earlier tokens of their own step (root / previous drafts)."""
+    """A broken mask: queries do not see the earlier tokens of their own step (root / previous drafts)."""
     def broken(L, q_pos, valid, S, window):
         m = orig(L, q_pos, valid, S, window)
         s = torch.arange(S, device=L.device).view(1, 1, S)

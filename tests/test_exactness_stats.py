@@ -44,7 +44,7 @@ sampling for children drawn i.i.d. from q), on TreeSpec.from_paths([(0,), (1,), 
 Warping: temperature != 1 and top_k / top_p / min_p; the target law is softmax(warp_logits(...)) and the
 draft law is warped_probs(draft logits) with the same settings.
 
-Note on one control from the issue: "sampled children verified as deterministic (draft_probs=None)"
+Note on a control that is not lossy: "sampled children verified as deterministic (draft_probs=None)"
 is *not* lossy. Recursive rejection sampling is exact for any candidate list that is independent of
 the verifier's randomness (conditionally on the list, "accept x1 w.p. p(x1); else accept x2 w.p.
 p(x2)/(1-p(x1)); ...; else sample the rest" is just a sequential way of drawing from p), and i.i.d.

@@ -202,7 +202,7 @@ def test_bad_inputs_raise(call, match):
 
 
 # ----------------------------------------------------------------------------------------------
-# measured costs (issue 6): cost curve fit, acceptance profiles, recommended depth
+# measured costs: cost curve fit, acceptance profiles, recommended depth
 
 
 from specgraph.perfmodel import (  # noqa: E402

@@ -476,7 +476,7 @@ def test_tree_vocab_boundary_mass_in_last_entries(V):
 
 
 def test_tree_root_token_is_ignored_even_out_of_range():
-    """Regression: the root entry is documented as ignored; an out-of-range value once crashed sampling."""
+    """The root entry is documented as ignored: an out-of-range value there must not reach sampling."""
     V, N = 12, len(PARENTS)
     g = _gen(4)
     target = torch.randn(3, N, V, generator=g)
