@@ -409,8 +409,8 @@ def compile_dir(
 @contextlib.contextmanager
 def _staged_dir(out: Path, overwrite: bool):
     """Yield a fresh directory beside ``out`` to compile into; on success its files replace
-    ``out``'s (see :func:`_replaceable_files`), on any error it is removed and ``out`` is untouched."""
-    removable = _replaceable_files(out, overwrite)
+    ``out``'s (see :func:`replaceable_files`), on any error it is removed and ``out`` is untouched."""
+    removable = replaceable_files(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.compiling-", dir=out.parent))
     try:
@@ -420,12 +420,13 @@ def _staged_dir(out: Path, overwrite: bool):
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def _replaceable_files(out: Path, overwrite: bool) -> list[Path]:
+def replaceable_files(out, overwrite: bool) -> list[Path]:
     """The files of an existing ``out`` that a new compile may remove: those its manifest lists,
     inside it through no symbolic link, still matching their size and sha256, and the manifest.
     Refuses (``FileExistsError``, naming the files) a non-empty ``out`` without ``overwrite``,
     one that is not a compiled directory, and one holding any other file under model/, pt2/ or
     onnx/ (the new compile writes there: whatever is there must be ours to remove)."""
+    out = Path(out)
     if not out.exists():
         return []
     if not out.is_dir():
@@ -869,7 +870,6 @@ class LoadedDir:
     _packages: dict = field(default_factory=dict, repr=False)
     _specs: dict = field(default_factory=dict, repr=False)
     _prefill_specs: dict = field(default_factory=dict, repr=False)
-    _late_verifier: FileVerifier | None = field(default=None, repr=False)
     _tensors: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -877,12 +877,8 @@ class LoadedDir:
         return sorted(self._packages)
 
     def wait_verified(self) -> None:
-        """Wait for a weights check left running by ``load_dir(..., background_weights_check=True)``
-        (no-op otherwise); raises :class:`ArtifactError` when the file does not match the manifest."""
-        if self._late_verifier is not None:
-            t0 = time.perf_counter()
-            self._late_verifier.wait()
-            self.timings["weights_check_wait"] = time.perf_counter() - t0
+        """Kept for compatibility: :func:`load_dir` checks every file before it returns, so there is
+        nothing left to wait for."""
 
     def check_request(self, prompt_len: int, max_new_tokens: int, do_sample: bool = False,
                       top_k=None, top_p=None, min_p=None) -> None:
@@ -1050,13 +1046,10 @@ def load_dir(
         tokenizer: also load the tokenizer from ``path/model``.
         missing: what a request for a shape the directory lacks does: ``"error"`` (raise) or
             ``"jit"`` (compile it with torch.compile on first use, with a warning; builds the HF model).
-        check_files: check every file's size and sha256 (default; the check runs on a background
-            thread while the tokenizer and weights load, and completes before any package is opened).
-        background_weights_check: return before the (large) weights file is hashed; the check goes
-            on in the background and :meth:`LoadedDir.wait_verified` waits for it (raising if the
-            file does not match): call it before using any output. Packages, configs and tokenizer
-            files are still checked before this returns. Used by the CLI to overlap the hashing of
-            the weights with the prompt prefill.
+        check_files: check every file's size and sha256 before it is opened or parsed (default;
+            the weights hash on a thread of their own while the tokenizer loads).
+        background_weights_check: accepted for compatibility and has no effect: the weights are
+            always checked before they are mapped (so :meth:`LoadedDir.wait_verified` returns at once).
     """
     from specgraph import compile as sg_compile
 
@@ -1070,42 +1063,40 @@ def load_dir(
         raise ArtifactError(f"{d}: no AOTInductor packages (formats {man.get('formats')}); use the ONNX runtime")
     files = man["files"]
     needed = [f for f in files if not f.startswith(ONNX_SUBDIR + "/")]
-    late = [man["model"]["weights"]] if background_weights_check and man["model"].get("weights") in needed else []
-    verifier = FileVerifier(d, files, [f for f in needed if f not in late]) if check_files else None
-    late_verifier = FileVerifier(d, files, late) if check_files and late else None
+    # every file is checked before it is opened or parsed: the weights (most of the bytes) on one
+    # thread, the rest on another, so the tokenizer loads while the weights are still hashing
+    weights = [man["model"]["weights"]] if man["model"].get("weights") in needed else []
+    verifier = FileVerifier(d, files, [f for f in needed if f not in weights]) if check_files else None
+    weights_verifier = FileVerifier(d, files, weights) if check_files and weights else None
     mdir = d / man["model"]["dir"]
     dtype = getattr(torch, man["model"]["dtype"])
     device = man["platform"].get("device", "cpu")
     given = model is not None
     has_prefill = any(g["kind"] == "prefill" for g in man["graphs"])
     tok, tensors = None, None
-    try:
-        t1 = time.perf_counter()
-        if tokenizer:
-            tok = _load_tokenizer(mdir, man)
-        timings["tokenizer"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        if model is None and (missing == "jit" or not has_prefill):
-            model = _load_model(mdir, dtype, device)  # the HF model: JIT fallback / eager prefill need it
-        elif model is None:
-            tensors = _packaged_tensors(d, man)
-            if device != "cpu":
-                tensors = {k: v.to(device) for k, v in tensors.items()}
-            model = _PackagedModel(json.loads((mdir / "config.json").read_text()),
-                                   json.loads((mdir / "generation_config.json").read_text()), tensors,
-                                   man["model"]["embeddings"])
-        timings["model"] = time.perf_counter() - t1
-    except ArtifactError:
-        raise
-    except Exception:
-        for v in (verifier, late_verifier):  # a damaged file explains the failure better than the parser's error
-            if v is not None:
-                v.wait()
-        raise
     t1 = time.perf_counter()
     if verifier is not None:
         verifier.wait()
     timings["verify_wait"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    if tokenizer:
+        tok = _load_tokenizer(mdir, man)
+    timings["tokenizer"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    if weights_verifier is not None:
+        weights_verifier.wait()
+    timings["weights_check_wait"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    if model is None and (missing == "jit" or not has_prefill):
+        model = _load_model(mdir, dtype, device)  # the HF model: JIT fallback / eager prefill need it
+    elif model is None:
+        tensors = _packaged_tensors(d, man)
+        if device != "cpu":
+            tensors = {k: v.to(device) for k, v in tensors.items()}
+        model = _PackagedModel(json.loads((mdir / "config.json").read_text()),
+                               json.loads((mdir / "generation_config.json").read_text()), tensors,
+                               man["model"]["embeddings"])
+    timings["model"] = time.perf_counter() - t1
     # the running model must be the one the graphs were compiled for (a model read from the checked
     # weights file has the manifest's embeddings: they are not hashed again)
     rec = man["model"]["fingerprint"]
@@ -1124,7 +1115,6 @@ def load_dir(
     if s["draft"] is not None and s["tree"] is None and s["k_ladder"]:
         fast.set_depths(s["k_ladder"])
     loaded = LoadedDir(path=d, manifest=man, fast=fast, model=model, tokenizer=tok, timings=timings)
-    loaded._late_verifier = late_verifier
     loaded._tensors = tensors if tensors is not None else _model_tensors(model)
     loaded._specs = {(g["kind"], g["batch"], g["width"], tuple(g["tree"]) if g["tree"] else g["depth"], g["mode"]): g
                      for g in man["graphs"]}

@@ -464,16 +464,21 @@ def test_cli_generate_from_dir_streams_without_compiling(compiled):
     assert "compiling" not in r.stderr.lower()
 
 
-def test_background_weights_check_refuses_modified_weights(compiled, tmp_path):
+def test_modified_weights_are_refused_before_they_are_mapped(compiled, tmp_path, monkeypatch):
     d = copy_dir(compiled, tmp_path)
     w = d / "model" / "model.safetensors"
     data = bytearray(w.read_bytes())
     data[-1000] ^= 0x55  # inside a tensor: the file still parses
     w.write_bytes(bytes(data))
-    ld = aot.load_dir(d, tokenizer=False, background_weights_check=True)  # returns before the weights are hashed
-    with pytest.raises(ArtifactError, match=r"model\.safetensors: sha256 does not match"):
-        ld.wait_verified()
-    # the CLI checks in the background while it prefills, and prints nothing before the check passed
+    opened = []
+    real = aot._packaged_tensors
+    monkeypatch.setattr(aot, "_packaged_tensors", lambda *a: opened.append(a) or real(*a))
+    for background in (False, True):
+        with pytest.raises(ArtifactError, match=r"model\.safetensors: sha256 does not match"):
+            aot.load_dir(d, tokenizer=False, background_weights_check=background)
+    assert opened == []
+    aot.load_dir(compiled, tokenizer=False)  # negative control: intact weights are mapped
+    assert len(opened) == 1
     r = cli("generate", d, "--prompt", "abcabc", "--max-new-tokens", 4, "--stream")
     assert r.returncode == 1 and r.stdout == ""
     assert "model.safetensors: sha256 does not match" in one_line(r.stderr)
@@ -525,6 +530,43 @@ def test_cli_bad_arguments_through_subprocess(compiled):
     assert r.returncode == 2 and "--depths" in one_line(r.stderr)
     r = cli("generate", compiled, "--prompt", "hi", "--max-new-tokens", "0")
     assert r.returncode == 2 and "--max-new-tokens must be >= 1" in one_line(r.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# every directory `specgraph compile` writes loads
+
+
+@pytest.mark.parametrize("draft, fmt", [
+    ("none", "pt2"),
+    pytest.param("suffix", "pt2", marks=pytest.mark.slow),
+    pytest.param("none", "onnx", marks=pytest.mark.slow),
+    pytest.param("ngram", "onnx", marks=pytest.mark.slow),
+    pytest.param("suffix", "onnx", marks=pytest.mark.slow),
+])  # ngram / pt2 is the `compiled` fixture, loaded by the tests above
+def test_every_compiled_directory_loads_and_generates(src, tmp_path, draft, fmt):
+    """`specgraph compile --draft D --format F --modes greedy,sample` writes a directory that
+    loads: greedy equals `model.generate`, sampling runs from the same directory, and
+    `specgraph generate DIR` prints text."""
+    out = tmp_path / "dir"
+    r = cli("compile", src, "--out", out, "--draft", draft, "--format", fmt, "--num-speculative-tokens", 2,
+            "--max-seq-len", MAX_SEQ, "--modes", "greedy,sample", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ids = torch.tensor([(PERIODIC * 4)[:24]])
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    if fmt == "pt2":
+        gen = aot.load_dir(out, tokenizer=False).fast
+    else:
+        pytest.importorskip("onnxruntime")
+        from specgraph.onnx import OnnxSpecGenerator
+
+        gen = OnnxSpecGenerator(out / "onnx")
+    assert torch.equal(gen.generate(ids, max_new_tokens=12, pad_token_id=0), ref)
+    sampled = gen.generate(ids, max_new_tokens=12, do_sample=True, temperature=0.8,
+                           generator=torch.Generator().manual_seed(1), pad_token_id=0)
+    assert sampled.shape == ref.shape and torch.equal(sampled[:, :24], ids)
+    r = cli("generate", out, "--prompt", "abcabcabc", "--max-new-tokens", 6)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------
