@@ -1,6 +1,11 @@
 import pytest
 import torch
 
+# First, before any test module imports transformers: run from a clone's root (`python -m pytest`),
+# the source tree's top-level kernels/ folder would shadow the `kernels` distribution transformers
+# imports; importing specgraph binds the installed one (see specgraph/__init__.py).
+import specgraph  # noqa: F401,E402
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _single_thread():

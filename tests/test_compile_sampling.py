@@ -28,8 +28,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:Fu
 ALPHA = 1e-3
 V = 8
 PROMPT = [1, 2, 3]
-BATCH = 64
-N_CALLS = 250  # 16,000 samples
+BATCH = 256
+N_CALLS = 63  # 16,128 samples
 SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=4)]
 
 
