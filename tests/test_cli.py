@@ -380,3 +380,22 @@ def test_generate_on_default_model_prints_text_and_speed_table():
     assert r.stdout.strip() and "HF generate (plain)" not in r.stdout
     row = next(line for line in r.stderr.splitlines() if line.startswith("specgraph ngram"))
     assert row.split()[-1] == "True"  # greedy output equals HF generate
+
+
+def test_specgraph_imports_without_triton():
+    """triton is not a dependency: every module imports (and the kernels fall back to torch) when it
+    cannot be imported."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import specgraph, specgraph.cli, specgraph.aot, specgraph.train, specgraph.models, specgraph.kernels\n"
+        "print(specgraph.kernels.HAS_TRITON, any(m.split('.')[0] == 'triton' for m in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["False", "False"]
