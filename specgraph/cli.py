@@ -659,7 +659,6 @@ def cmd_bench(args) -> int:
             _die(f"{args.model} has no AOTInductor packages (bench needs the model weights in DIR)", 1)
         from specgraph.aot import load_hf_model
 
-        _progress(args, f"loading {args.model} ...")
         ld = load_dir(args.model)
         model, tok, fast = load_hf_model(args.model), ld.tokenizer, ld.fast  # HF model: the baseline
         check = ld.check_request
