@@ -560,7 +560,7 @@ def _tree_arg(value: str):
 def cmd_compile(args, formats=None) -> int:
     import torch
 
-    from specgraph.aot import compile_dir
+    from specgraph.aot import compile_dir, replaceable_files
     from specgraph.models import load_model
 
     formats = formats or args.format
@@ -589,6 +589,10 @@ def cmd_compile(args, formats=None) -> int:
         _die(f"--out {out} exists and is not a directory", 1)
     if out.is_dir() and any(out.iterdir()) and not args.force:
         _die(f"--out {out} is not empty (pass --force to replace a compiled directory)", 1)
+    try:  # refuse what --force may not replace before loading anything
+        replaceable_files(out, args.force)
+    except FileExistsError as e:
+        _die(str(e), 1)
     _check_model_arg(args.model)
     if getattr(args, "draft_model", None) is not None:
         _check_model_arg(args.draft_model)
@@ -837,7 +841,10 @@ def _add_compile_flags(c, onnx_only=False):
     c.add_argument("--min-p", type=float, default=None, help="min-p baked into the sampling graphs (default: none)")
     _add_device_flags(c)
     c.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    c.add_argument("--force", action="store_true", help="replace an existing compiled directory")
+    c.add_argument("--force", action="store_true",
+                   help="replace an existing compiled directory: removes only the files its manifest lists that "
+                        "are unmodified; refuses if model/, pt2/ or onnx/ hold anything else; files of yours "
+                        "elsewhere in DIR are kept")
     _add_quiet_flag(c)
 
 
