@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     ok = out.shape == ref.shape
     for b in range(len(PROMPTS)):
-        same = ok and torch.equal(out[b], ref[b])
+        same = out.shape == ref.shape and torch.equal(out[b], ref[b])
         ok = ok and same
         text = tok.decode(out[b, ids.shape[1]:], skip_special_tokens=True)
         print(f"row {b} ({int(mask[b].sum())} prompt tokens) equals model.generate: {same}\n  {text!r}")
