@@ -6,6 +6,7 @@ tokenizer, and a manifest with versions, a model fingerprint and every file's sh
 ``specgraph.aot.load_dir`` checks all of that and serves each round from the packages: no
 ``torch.compile`` at load time (the CLI equivalent: ``specgraph compile`` then
 ``specgraph generate DIR``). Greedy output must equal ``model.generate`` (exit status 1 if not).
+Compiling SmolLM2's three packages takes about five minutes on a 2-core CPU; loading, seconds.
 
     python examples/aot_directory.py --out smol.sg         # the embedded SmolLM2-135M-Instruct
     python examples/aot_directory.py --model path/to/hf_folder --num-speculative-tokens 2 --max-new-tokens 24

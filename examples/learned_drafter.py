@@ -7,7 +7,7 @@ That changes the speed, never the output: verification keeps greedy output equal
 ``model.generate`` whatever the head proposes (checked; exit status 1 if not), and the script
 prints how many drafts were accepted.
 
-    python examples/learned_drafter.py                     # the embedded SmolLM2-135M-Instruct, ~minutes
+    python examples/learned_drafter.py                     # the embedded SmolLM2-135M-Instruct, a few minutes
     python examples/learned_drafter.py --model path/to/hf_folder --steps 4 --max-tokens 1500 --backend eager
 """
 import argparse

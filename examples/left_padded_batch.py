@@ -50,7 +50,8 @@ def main(argv=None) -> int:
         ok = ok and same
         text = tok.decode(out[b, ids.shape[1]:], skip_special_tokens=True)
         print(f"row {b} ({int(mask[b].sum())} prompt tokens) equals model.generate: {same}\n  {text!r}")
-    print("stats:", fast.stats)
+    st = fast.stats
+    print(f"{st.rounds} rounds for {st.emitted} tokens over {len(PROMPTS)} rows; accepted {st.accepted} of {st.drafted} drafts")
     print("all rows equal model.generate:", ok)
     return 0 if ok else 1
 

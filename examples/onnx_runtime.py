@@ -4,7 +4,8 @@
 drafted rounds) plus a chunked prefill and a manifest with every file's sha256;
 ``specgraph.onnx.OnnxSpecGenerator`` loads that folder and runs the same loop as
 ``fast.generate`` on onnxruntime (no PyTorch graphs). Greedy output must equal ``model.generate``
-token for token (exit status 1 if not). Needs ``pip install -e ".[onnx]"``.
+token for token (exit status 1 if not). Needs ``pip install -e ".[onnx]"``; exporting SmolLM2
+takes a few minutes on a 2-core CPU.
 
     python examples/onnx_runtime.py --out smol_onnx/        # the embedded SmolLM2-135M-Instruct
     python examples/onnx_runtime.py --model path/to/hf_folder --max-new-tokens 24
