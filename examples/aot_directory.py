@@ -41,9 +41,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(args.out or Path(tmp) / "compiled")
         t0 = time.perf_counter()
-        manifest = compile_dir(model, out_dir, tokenizer=tok, draft="ngram", num_speculative_tokens=args.num_speculative_tokens,
-                               max_batch_size=1, max_seq_len=ids.shape[1] + args.max_new_tokens + 32,
-                               modes=("greedy",), overwrite=args.out is not None, progress=False)
+        manifest = compile_dir(model, out_dir, tokenizer=tok, draft="ngram",
+                               num_speculative_tokens=args.num_speculative_tokens, max_batch_size=1,
+                               max_seq_len=ids.shape[1] + args.max_new_tokens + 32, modes=("greedy",),
+                               overwrite=args.out is not None, progress=False)
         print(f"compiled {len(manifest['graphs'])} packages into {out_dir} in {time.perf_counter() - t0:.0f} s:",
               ", ".join(g["name"] for g in manifest["graphs"]))
 

@@ -41,8 +41,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(args.out or tmp)
         log = train.run(train.build_parser().parse_args([
-            "--kind", args.kind, "--out", str(out_dir), "--max-steps", str(args.steps), "--max-tokens", str(args.max_tokens),
-            "--seq-len", str(args.seq_len), "--batch-tokens", str(2 * args.seq_len), "--checkpoint-every", str(args.steps),
+            "--kind", args.kind, "--out", str(out_dir), "--max-steps", str(args.steps),
+            "--max-tokens", str(args.max_tokens), "--seq-len", str(args.seq_len),
+            "--batch-tokens", str(2 * args.seq_len), "--checkpoint-every", str(args.steps),
             "--gen-engine", "hf", "--gen-new-tokens", "16", "--gen-batch", "4", "--time-budget", "30", "--no-progress",
         ]), model=model, tok=tok)
         held_out = (log["final_eval"] or {}).get("all", {})

@@ -51,7 +51,8 @@ def main(argv=None) -> int:
         text = tok.decode(out[b, ids.shape[1]:], skip_special_tokens=True)
         print(f"row {b} ({int(mask[b].sum())} prompt tokens) equals model.generate: {same}\n  {text!r}")
     st = fast.stats
-    print(f"{st.rounds} rounds for {st.emitted} tokens over {len(PROMPTS)} rows; accepted {st.accepted} of {st.drafted} drafts")
+    print(f"{st.rounds} rounds for {st.emitted} tokens over {len(PROMPTS)} rows; "
+          f"accepted {st.accepted} of {st.drafted} drafts")
     print("all rows equal model.generate:", ok)
     return 0 if ok else 1
 

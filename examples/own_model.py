@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     ids = tok(args.prompt, return_tensors="pt").input_ids
 
     fast = specgraph.compile(model, draft="ngram", num_speculative_tokens=args.num_speculative_tokens,
-                             backend=args.backend, max_batch_size=1, max_seq_len=ids.shape[1] + args.max_new_tokens + 64)
+                             backend=args.backend, max_batch_size=1,
+                             max_seq_len=ids.shape[1] + args.max_new_tokens + 64)
     t0 = time.perf_counter()  # graphs compile on first use: the first call pays for them
     fast.generate(ids, max_new_tokens=args.max_new_tokens, pad_token_id=pad)
     print(f"first call (captures and compiles the graphs): {time.perf_counter() - t0:.1f} s")

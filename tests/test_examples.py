@@ -101,10 +101,15 @@ def test_left_padded_batch(tiny, capsys):
     assert "all rows equal model.generate: True" in out
 
 
-@pytest.mark.parametrize("name, row", [("own_model", 0), ("left_padded_batch", 2)])
-def test_equality_check_catches_a_wrong_token(tiny, capsys, monkeypatch, name, row):
+LEARNED = ["--steps", "3", "--max-tokens", "1200", "--seq-len", "96"]
+
+
+@pytest.mark.parametrize("name, row, extra", [("own_model", 0, []), ("left_padded_batch", 2, []),
+                                              ("learned_drafter", 0, LEARNED)],
+                         ids=["own_model", "left_padded_batch", "learned_drafter"])
+def test_equality_check_catches_a_wrong_token(tiny, capsys, monkeypatch, name, row, extra):
     corrupt_last_token(monkeypatch, row=row)
-    rc, out = run_example(name, ["--model", tiny, "--backend", "eager", *FAST], capsys)
+    rc, out = run_example(name, ["--model", tiny, "--backend", "eager", *extra, *FAST], capsys)
     assert rc == 1, out
     assert "equals model.generate: False" in out
     if name == "left_padded_batch":  # only the corrupted row is reported as different
@@ -113,8 +118,7 @@ def test_equality_check_catches_a_wrong_token(tiny, capsys, monkeypatch, name, r
 
 
 def test_learned_drafter(tiny, capsys, tmp_path):
-    argv = ["--model", tiny, "--backend", "eager", "--steps", "3", "--max-tokens", "1200", "--seq-len", "96",
-            "--out", str(tmp_path / "run"), *FAST]
+    argv = ["--model", tiny, "--backend", "eager", *LEARNED, "--out", str(tmp_path / "run"), *FAST]
     rc, out = run_example("learned_drafter", argv, capsys)
     assert rc == 0, out
     assert "trained 3 steps" in out and (tmp_path / "run" / "head.safetensors").is_file()
@@ -123,6 +127,7 @@ def test_learned_drafter(tiny, capsys, tmp_path):
 
 
 def test_onnx_runtime(tiny, capsys, tmp_path):
+    pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     rc, out = run_example("onnx_runtime", ["--model", tiny, "--out", str(tmp_path / "onnx"),
