@@ -201,7 +201,8 @@ def test_manifest_paths_outside_the_export_are_refused(llama, tmp_path, field, v
     if field == "graph":
         man["files"][value] = man["files"][man["graphs"][0]["file"]]
         man["graphs"][0]["file"] = value
-    elif field == "external":
+    elif field == "external":  # listed too: the path itself is what is refused
+        man["files"][value] = man["files"]["weights.bin"]
         man["external_data"] = value
     else:
         man["files"][value] = man["files"]["weights.bin"]
