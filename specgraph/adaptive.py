@@ -637,8 +637,8 @@ def forced_depth(fast, depth: int):
     depth on first use if it is not precompiled; the object's own settings come back afterwards."""
     if fast.tree is not None or fast.learned is not None or (depth > 0 and fast.draft not in AUTO_DRAFTS):
         raise ValueError(f"a forced chain depth needs a chain drafter ({', '.join(AUTO_DRAFTS)}), got draft={fast.draft!r}")
-    saved = (fast.policy, fast.k, fast.span)
     with fast._lock:
+        saved = (fast.policy, fast.k, fast.span)  # read under the lock: another thread may hold a forced depth
         fast.policy = FixedDepth(depth)
         fast.k = max(fast.k, depth)
         fast.span = max(fast.span, depth + 1)

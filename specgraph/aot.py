@@ -408,16 +408,26 @@ def compile_dir(
 
 @contextlib.contextmanager
 def _staged_dir(out: Path, overwrite: bool):
-    """Yield a fresh directory beside ``out`` to compile into; on success its files replace
-    ``out``'s (see :func:`replaceable_files`), on any error it is removed and ``out`` is untouched."""
+    """Yield a fresh directory beside ``out`` (beside what it links to) to compile into. A failed
+    compile removes it and leaves ``out`` untouched; a finished one has its files moved into ``out``
+    (see :func:`replaceable_files`, :func:`_swap_in`). Should that move fail, the finished compile
+    stays in the staging directory, named in the error."""
     removable = replaceable_files(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.compiling-", dir=out.parent))
+    if out.is_symlink() and not out.exists():
+        raise FileExistsError(f"{out} is a broken symbolic link")
+    target = out.resolve()  # the staging directory on the target's own filesystem
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.compiling-", dir=target.parent))
     try:
         yield stage
-        _swap_in(stage, out, removable)
-    finally:
+    except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        raise
+    try:
+        _swap_in(stage, out, removable)
+    except Exception as e:
+        raise OSError(f"moving the finished compile into {out} failed ({e}); it is complete in {stage}") from e
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 def replaceable_files(out, overwrite: bool) -> list[Path]:
@@ -464,11 +474,7 @@ def replaceable_files(out, overwrite: bool) -> list[Path]:
 def _swap_in(stage: Path, out: Path, removable: list[Path]) -> None:
     """Move a finished compile from ``stage`` into ``out``: the old manifest goes first and the new
     one last, so ``out`` is never a directory whose manifest describes files it does not hold."""
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        if out.exists():
-            out.rmdir()
-        stage.rename(out)
-        return
+    out.mkdir(parents=True, exist_ok=True)  # an existing directory keeps its own mode and owner
     new = [p for p in sorted(stage.rglob("*")) if p.is_file() and p != stage / MANIFEST]
     keep = set(removable)
     late = [out / p.relative_to(stage) for p in new
@@ -1048,13 +1054,16 @@ def load_dir(
             ``"jit"`` (compile it with torch.compile on first use, with a warning; builds the HF model).
         check_files: check every file's size and sha256 before it is opened or parsed (default;
             the weights hash on a thread of their own while the tokenizer loads).
-        background_weights_check: accepted for compatibility and has no effect: the weights are
-            always checked before they are mapped (so :meth:`LoadedDir.wait_verified` returns at once).
+        background_weights_check: deprecated, warns and has no effect: the weights are always
+            checked before they are mapped (so :meth:`LoadedDir.wait_verified` returns at once).
     """
     from specgraph import compile as sg_compile
 
     if missing not in ("error", "jit"):
         raise ValueError(f"missing must be 'error' or 'jit', got {missing!r}")
+    if background_weights_check:
+        warnings.warn("load_dir(background_weights_check=True) has no effect: every file, the weights included, is "
+                      "checked before it is opened", DeprecationWarning, stacklevel=2)
     t0 = time.perf_counter()
     d = Path(path)
     man = read_manifest(d)

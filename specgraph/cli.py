@@ -196,6 +196,8 @@ def _load_model_reporting(name, args=None, *, dtype=None, device=None):
         (model, tok), dt = _timed(lambda: load_model(name, dtype=dtype, device=device))
     except FileNotFoundError as e:
         _die(str(e), 1)
+    except OSError as e:  # e.g. a folder or cached snapshot without weights or tokenizer files
+        _die(f"cannot load {name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", 1)
     _progress(args, f"loaded in {dt:.1f} s")
     return model, tok
 
@@ -241,6 +243,8 @@ def _sampling_kwargs(args, model_or_gc):
     if isinstance(pad, list):
         pad = pad[0]
     sample = args.temperature > 0
+    if not sample and any(getattr(args, f, None) is not None for f in ("top_k", "top_p")):
+        _die("--top-k / --top-p filter sampling: they need --temperature > 0 (greedy decoding would ignore them)")
     gkw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=sample)
     if sample:
         gkw.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -395,7 +399,7 @@ def _check_dir_device(args, man) -> None:
              f"(specgraph compile MODEL --dtype {args.dtype})", 1)
     if args.device is not None:
         want = _torch_device(args.device)
-        if want.type != dev:
+        if want.type != dev or (want.index or 0) != 0:
             _die(f"{args.model} was compiled for {dev}; --device {args.device} needs a recompile "
                  f"(specgraph compile MODEL --device {args.device})", 1)
     if dev == "cuda" and not torch.cuda.is_available():
@@ -422,7 +426,7 @@ def _generate_from_dir(args) -> int:
         return _generate_onnx(args, man)
     from specgraph.aot import ArtifactError, load_dir
 
-    ld = load_dir(args.model, missing="error", background_weights_check=True)
+    ld = load_dir(args.model, missing="error")
     if ld.tokenizer is None:
         _die(f"{args.model} has no tokenizer files; generate from Python with token ids", 1)
     age_loaded = _process_age()
@@ -454,7 +458,7 @@ def _generate_from_dir(args) -> int:
         print(f"specgraph: first token at {first:.2f} s after process start (imports done at "
               f"{args.age_at_start:.2f} s; loading {t['total']:.2f} s: tokenizer {t.get('tokenizer', 0):.2f}, model "
               f"{t.get('model', 0):.2f}, file checks waited {t.get('verify_wait', 0):.2f} + "
-              f"{t.get('weights_check_wait', 0):.2f} (weights, overlapped with the prefill); ready at {age_loaded:.2f} s); "
+              f"{t.get('weights_check_wait', 0):.2f} (weights, overlapped with the tokenizer); ready at {age_loaded:.2f} s); "
               f"{n_new} tokens in {sg_s:.2f} s ({n_new / sg_s:.1f} tok/s, {fast.stats.mean_emitted:.2f} per round, "
               f"graphs loaded: {len(ld.loaded_graphs)})", file=sys.stderr)
     if args.compare:
@@ -472,6 +476,11 @@ def _generate_from_dir(args) -> int:
     return 0
 
 
+def _ort_providers(device: str) -> list[str]:
+    """ONNX Runtime providers for the device a directory runs on (never CUDA for a CPU run)."""
+    return ["CPUExecutionProvider"] if device == "cpu" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
 def _generate_onnx(args, man) -> int:
     from pathlib import Path
 
@@ -480,12 +489,15 @@ def _generate_onnx(args, man) -> int:
     from specgraph.aot import _load_tokenizer, check_model_files
     from specgraph.onnx import OnnxSpecGenerator
 
+    if args.stream or args.compare:
+        _die("--runtime onnx does not stream and has no --compare table (use the AOT packages, or specgraph bench DIR)")
     d = Path(args.model)
     check_model_files(d, man, weights=False)
     tok = _load_tokenizer(d / man["model"]["dir"], man)
     if tok is None:
         _die(f"{args.model} has no tokenizer files", 1)
-    gen = OnnxSpecGenerator(d / man["onnx"]["dir"], num_threads=args.threads)
+    dev = man["platform"].get("device", "cpu")  # checked against --device above
+    gen = OnnxSpecGenerator(d / man["onnx"]["dir"], _ort_providers(dev), num_threads=args.threads)
     ids = _chat_ids(tok, args.prompt)
     gkw, sample = _sampling_kwargs(args, man_generation(man))
     out, dt = _timed(lambda: gen.generate(ids, generator=torch.Generator().manual_seed(args.seed), **gkw))
@@ -495,7 +507,7 @@ def _generate_onnx(args, man) -> int:
         s = man["settings"]
         result = _generation_result(args, text, ids.shape[1], n_new, dt, None, {
             "source": "compiled-dir", "runtime": "onnx", "draft": s["draft"],
-            "num_speculative_tokens": s["num_speculative_tokens"], "device": "cpu", "dtype": man["model"]["dtype"]})
+            "num_speculative_tokens": s["num_speculative_tokens"], "device": dev, "dtype": man["model"]["dtype"]})
         result["first_output_seconds_after_start"] = _process_age()
         _print_json(result)
         return 0
@@ -566,6 +578,14 @@ def cmd_compile(args, formats=None) -> int:
     formats = formats or args.format
     if args.threads:
         torch.set_num_threads(args.threads)
+    if getattr(args, "draft_model", None) is not None and args.draft is not None:
+        _die("--draft-model is the drafter: drop --draft")
+    if args.depths is not None and args.num_speculative_tokens is not None:
+        _die("--depths sets the chain depths (K = the largest): drop --num-speculative-tokens")
+    if "sample" not in args.modes and any(v is not None for v in (args.top_k, args.top_p, args.min_p)):
+        _die("--top-k / --top-p / --min-p are baked into the sampling graphs: they need --modes sample")
+    args.num_speculative_tokens = 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
+    args.draft = args.draft or "ngram"
     draft = None if args.draft == "none" else args.draft
     if getattr(args, "draft_model", None) is not None:
         if list(formats) != ["onnx"]:
@@ -674,7 +694,8 @@ def cmd_bench(args) -> int:
             from specgraph.onnx import OnnxSpecGenerator
 
             methods[f"specgraph {man['settings']['draft']} (ONNX Runtime)"] = OnnxSpecGenerator(
-                Path(args.model) / man["onnx"]["dir"], num_threads=args.threads)
+                Path(args.model) / man["onnx"]["dir"], _ort_providers(man["platform"].get("device", "cpu")),
+                num_threads=args.threads)
     else:
         import specgraph
 
@@ -817,12 +838,12 @@ def _examples(*lines: str) -> str:
 def _add_compile_flags(c, onnx_only=False):
     c.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     c.add_argument("--out", required=True, metavar="DIR", help="directory to write (must be empty unless --force)")
-    c.add_argument("--draft", default="ngram", choices=["ngram", "none", "suffix"],
-                   help="drafter (none = plain decoding)")
+    c.add_argument("--draft", default=None, choices=["ngram", "none", "suffix"],
+                   help="drafter (none = plain decoding; default: ngram, or the --draft-model)")
     c.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a smaller model with the same vocabulary drafting K tokens per round (ONNX format only)")
-    c.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="chain depth K (prompt-lookup ladder min(K,4) -> K); ignored with --depths")
+    c.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="chain depth K (prompt-lookup ladder min(K,4) -> K; default 4); not with --depths")
     c.add_argument("--depths", type=_depths_arg, default=None, metavar="2,4,8",
                    help="chain depths of the prompt-lookup ladder (depth 0, a plain step, is always compiled); "
                         "default: from --num-speculative-tokens")

@@ -17,11 +17,14 @@ from specgraph.warping import check_sampling_params, is_greedy, warp_logits
 _PROB_ATOL = 1e-3
 
 
-def prob_tolerance(dtype: torch.dtype) -> float:
-    """How far from 1 a row of ``dtype`` probabilities may sum: rounding each (positive) entry to
-    ``dtype`` moves the row's sum by at most eps/2 of it, so a row rounded from an exact
-    distribution is within ``finfo(dtype).eps`` of 1 (bf16: 2^-7); never tighter than 1e-3."""
-    return max(_PROB_ATOL, torch.finfo(dtype).eps)
+def prob_tolerance(dtype: torch.dtype, vocab: int = 1) -> float:
+    """How far from 1 a row of ``vocab`` probabilities of ``dtype`` may sum: rounding each
+    (positive) entry to ``dtype`` moves it by at most eps/2 of itself, or by half the subnormal step
+    below the smallest normal, so a row rounded from an exact distribution is within
+    ``eps + vocab * tiny * eps / 2`` of 1 (bf16: 2^-7; float16 adds up to 3e-8 per entry for its
+    long subnormal range); never tighter than 1e-3."""
+    fi = torch.finfo(dtype)
+    return max(_PROB_ATOL, fi.eps) + vocab * fi.tiny * fi.eps / 2
 
 # ----------------------------------------------------------------------------------------------
 # validation
@@ -46,7 +49,7 @@ def _check_probs_values(name: str, probs: torch.Tensor) -> None:
     if (probs < 0).any():
         raise ValueError(f"{name} has negative probabilities")
     sums = probs.sum(dim=-1, dtype=torch.float32)  # no further rounding of the sum itself
-    if ((sums - 1.0).abs() > prob_tolerance(probs.dtype)).any():
+    if ((sums - 1.0).abs() > prob_tolerance(probs.dtype, probs.shape[-1])).any():
         flat = sums.flatten()
         worst = flat[(flat - 1.0).abs().argmax()]
         raise ValueError(f"{name} rows must sum to 1 (warped probabilities, not logits); found a row summing to {float(worst):.6g}")

@@ -367,6 +367,16 @@ def test_force_recompile_keeps_user_files_and_the_result_loads(compiled, tmp_pat
     assert torch.equal(ld.fast.generate(ids, max_new_tokens=12), ref)
 
 
+def test_a_new_compiled_directory_has_the_default_permissions(compiled):
+    """The staging directory is private (mkdtemp: 0700); the directory the user asked for is not."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert compiled.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert not compiled.is_symlink()
+
+
 @pytest.mark.parametrize("intruder", ["model/mine.txt", "pt2/mine.pt2", "onnx/keep/me.txt", "model/config.json"])
 def test_force_refuses_files_it_did_not_write_and_touches_nothing(compiled, tmp_path, intruder):
     """A user file inside model/, pt2/ or onnx/, or a listed file the user edited (config.json),
