@@ -15,3 +15,22 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    """A factory of character-level tokenizers: ids 3.. are the printable ASCII characters (all <
+    128), no chat template; for tiny models saved as HF folders."""
+    def make():
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+        for i in range(32, 127):
+            vocab[chr(i)] = len(vocab)
+        tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tk.decoder = decoders.Fuse()
+        return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+    return make

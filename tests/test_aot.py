@@ -50,20 +50,6 @@ def tiny_model(seed=0, **overrides):
     return model
 
 
-def tiny_tokenizer():
-    """Character-level tokenizer: ids 3.. are the printable ASCII characters (all < 128)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for i in range(32, 127):
-        vocab[chr(i)] = len(vocab)
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-
-
 def cli(*args, timeout=900, env=None):
     return subprocess.run([sys.executable, "-m", "specgraph.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env)
@@ -76,10 +62,10 @@ def one_line(stderr: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
+def src(tmp_path_factory, char_tokenizer) -> Path:
     d = tmp_path_factory.mktemp("tiny_src")
     tiny_model().save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
+    char_tokenizer().save_pretrained(d)
     return d
 
 

@@ -35,21 +35,7 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
-def _tiny_tokenizer():
-    """Character-level: ids 3.. are the printable ASCII characters (all < 128); no chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for i in range(32, 127):
-        vocab[chr(i)] = len(vocab)
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-
-
-def _save_tiny(path: Path, tie: bool = False) -> Path:
+def _save_tiny(path: Path, tokenizer, tie: bool = False) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -58,13 +44,13 @@ def _save_tiny(path: Path, tie: bool = False) -> Path:
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # run to max_new_tokens
     model.save_pretrained(path)
-    _tiny_tokenizer().save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return _save_tiny(tmp_path_factory.mktemp("tiny") / "model")
+def tiny(tmp_path_factory, char_tokenizer) -> Path:
+    return _save_tiny(tmp_path_factory.mktemp("tiny") / "model", char_tokenizer())
 
 
 def _expected_greedy_text(folder: Path, prompt: str, n: int) -> str:
@@ -319,7 +305,7 @@ def _embed_keys(folder: Path) -> list[str]:
         return sorted(k for k in f.keys() if "embed_tokens" in k or "lm_head" in k)
 
 
-def test_dequantized_folder_is_loadable_with_from_pretrained(tmp_path):
+def test_dequantized_folder_is_loadable_with_from_pretrained(tmp_path, char_tokenizer):
     """The writer of the GGUF cache folder, on a tiny tied-embedding llama: config.json names the
     architecture, the safetensors holds model.embed_tokens.weight (not only lm_head.weight), and
     from_pretrained of the folder gives the same logits."""
@@ -328,7 +314,7 @@ def test_dequantized_folder_is_loadable_with_from_pretrained(tmp_path):
 
     from specgraph.models import _load_dequantized, _save_dequantized
 
-    src = _save_tiny(tmp_path / "src", tie=True)
+    src = _save_tiny(tmp_path / "src", char_tokenizer(), tie=True)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     model.config.architectures = None  # as after a GGUF load
     tok = AutoTokenizer.from_pretrained(src)
