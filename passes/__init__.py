@@ -6,9 +6,10 @@ The pipeline, in order (see :func:`run_step_pipeline`):
    ancestors), replacing the model's own causal-mask construction.
 2. ``gqa_fold_pass`` - grouped-query attention reads the cache once instead of repeating K/V heads.
 3. ``safe_dce_pass`` - drop what steps 1-2 made dead, keeping the in-place KV cache writes.
+4. ``attend_mask_width_pass`` - attention reads as many cache slots as the mask has columns, so
+   one graph serves every attended width (W is a dynamic dimension under ``torch.compile``).
 
-Per attended width, ``attend_prefix_pass`` then slices the cache seen by attention to the slots
-that can be live (a copy of the graph per width).
+``attend_prefix_pass`` is the static form of step 4 (a copy of the graph per width).
 
 Capture itself (the static KV cache with per-row write slots) is :mod:`specgraph.capture`.
 """
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .attend import attend_prefix_pass
+from .attend import attend_mask_width_pass, attend_prefix_pass
 from .attention import attention_nodes, tree_attention_pass
 from .dce import safe_dce_pass
 from .gqa import gqa_fold_pass
 
-STEP_PIPELINE = (tree_attention_pass, gqa_fold_pass, safe_dce_pass)
+STEP_PIPELINE = (tree_attention_pass, gqa_fold_pass, safe_dce_pass, attend_mask_width_pass)
 
 
 def run_step_pipeline(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, int]]:
@@ -33,4 +34,4 @@ def run_step_pipeline(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, int
     return gm, counts
 
 
-__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "gqa_fold_pass", "attend_prefix_pass", "safe_dce_pass", "attention_nodes"]
+__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "gqa_fold_pass", "attend_prefix_pass", "attend_mask_width_pass", "safe_dce_pass", "attention_nodes"]

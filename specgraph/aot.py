@@ -229,12 +229,12 @@ def _example_inputs(fast: SpecGraphModel, g: GraphSpec, vocab: int) -> tuple[lis
 
 def _module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
     if g.kind == "prefill":
-        return _PrefillChunk(fast._step(g.batch, g.depth, fast.slots), fast.slots, fast.window)
+        return _PrefillChunk(fast._step(g.batch, g.depth), fast.slots, fast.window)
     params = SamplingParams(0.0) if g.mode == "greedy" else SamplingParams(1.0, *filters)
     if g.kind == "tree":
         fn = fast._tree_round_fn(g.batch, params, g.width, g.tree)
-        return _Graph(fn, fast._step(g.batch, g.tree[0], g.width))
-    return _Graph(fast._round_fn(g.batch, params, g.width, g.depth), fast._step(g.batch, g.depth + 1, g.width))
+        return _Graph(fn, fast._step(g.batch, g.tree[0]))
+    return _Graph(fast._round_fn(g.batch, params, g.width, g.depth), fast._step(g.batch, g.depth + 1))
 
 
 def _inductor_configs(device) -> dict:

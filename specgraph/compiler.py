@@ -42,11 +42,20 @@ def _bucket(b: int, max_batch: int) -> int:
     return min(p, max_batch)
 
 
+def slot_index(width, device) -> torch.Tensor:
+    """The attended cache slots 0 .. W-1 as [1, 1, W]. ``width`` is an int, or the [W] slot
+    tensor a compiled round takes as input (W then a dynamic dimension: one graph for every W)."""
+    if isinstance(width, torch.Tensor):
+        return width.view(1, 1, -1)
+    return torch.arange(width, device=device).view(1, 1, width)
+
+
 def _step_mask(L, q_pos, valid, width, window):
-    """Additive mask [B, 1, Q, width]: a query at position q_pos sees committed slots < L and the
+    """Additive mask [B, 1, Q, W]: a query at position q_pos sees committed slots < L and the
     slots in [L, q_pos] (its chain ancestors and itself). Invalid queries (padding, finished rows)
-    see slot 0 only: their output is ignored, but a fully masked row would be NaN."""
-    s = torch.arange(width, device=L.device).view(1, 1, width)
+    see slot 0 only: their output is ignored, but a fully masked row would be NaN. ``width``: see
+    :func:`slot_index`."""
+    s = slot_index(width, L.device)
     vis = (s < L.view(-1, 1, 1)) | ((s >= L.view(-1, 1, 1)) & (s <= q_pos.unsqueeze(-1)))
     if window is not None:
         vis &= s > q_pos.unsqueeze(-1) - window
@@ -61,14 +70,15 @@ def _tree_mask(L, q_pos, anc, valid, width, window):
     cousins. Committed slots hold position = slot, so the window applies to them as usual; tree
     ancestors are at most the tree's depth away."""
     B, Q, N = anc.shape  # Q queries (all N nodes in the target; the fed nodes in a draft level)
-    s = torch.arange(width, device=L.device).view(1, 1, width)
+    s = slot_index(width, L.device)
+    W = s.shape[-1]
     Lv = L.view(-1, 1, 1)
     committed = s < Lv
     if window is not None:
         committed = committed & (s > q_pos.unsqueeze(-1) - window)
     rel = s - Lv  # [B, 1, W] slot relative to the root's slot
     in_tree = (rel >= 0) & (rel < N)
-    tree_vis = anc.gather(2, rel.clamp(0, N - 1).expand(B, Q, width)) & in_tree
+    tree_vis = anc.gather(2, rel.clamp(0, N - 1).expand(B, Q, W)) & in_tree
     vis = torch.where(valid.unsqueeze(-1), committed | tree_vis, s == 0)
     zero = torch.zeros((), dtype=torch.float32, device=L.device)
     return torch.where(vis, zero, NEG_INF).unsqueeze(1)
@@ -528,6 +538,10 @@ class SpecGraphModel:
         self._eager_draft_step = None if draft_model is None else Step(draft_model, all_logits=False)
         self._steps: dict = {}
         self._fns: dict = {}
+        self._bound: dict = {}  # (shared graph key, width) -> the graph bound to that width's slot input
+        self._slot_inputs: dict = {}
+        self.graphs_built: dict[str, float] = {}  # graph name -> seconds its first call (the build) took
+        self._warm = self._warming = False  # warmup() ran / is running
         self._prefill_graph = None
         self._kv: dict = {}
         self.pass_counts: dict = {}
@@ -577,6 +591,7 @@ class SpecGraphModel:
         long, valid [B, P] bool) replaces the eager prompt prefill of the target.
         """
         self._fns = graphs
+        self._bound = {}
         self._prefill_graph = prefill
 
     def graph_key(self, kind: str, batch: int, params: SamplingParams, width: int, shape) -> tuple:
@@ -610,31 +625,63 @@ class SpecGraphModel:
     # ------------------------------------------------------------------------------------------
     # graphs
 
-    def _step(self, B: int, Q: int, width: int, which: str = "target"):
-        key = (B, Q, width) if which == "target" else (which, B, Q, width)
+    def _step(self, B: int, Q: int, which: str = "target"):
+        """The captured, pass-rewritten step at batch B and query length Q. Its attention reads as
+        many cache slots as its mask has columns (``attend_mask_width_pass``): one step per shape
+        serves every attended width."""
+        key = (B, Q) if which == "target" else (which, B, Q)
         if key not in self._steps:
-            full = (B, Q, self.slots) if which == "target" else (which, B, Q, self.slots)
-            base = self._steps.get(full)
-            if base is None:
-                model = self.model if which == "target" else self.draft_model
-                gm = capture_step(model, B, Q, self.slots)
-                gm, counts = run_step_pipeline(gm)
-                self.pass_counts[full[:-1]] = counts
-                self._steps[full] = base = gm
-            if width < self.slots:
-                # share the parameters of the captured module; only the graph differs
-                gm = torch.fx.GraphModule(base, copy.deepcopy(base.graph))
-                gm.graph._codegen = base.graph._codegen
-                gm, _ = attend_prefix_pass(gm, width)
-                self._steps[key] = gm
+            model = self.model if which == "target" else self.draft_model
+            gm, counts = run_step_pipeline(capture_step(model, B, Q, self.slots))
+            self.pass_counts[key] = counts
+            self._steps[key] = gm
         return self._steps[key]
+
+    def _slot_input(self, width: int) -> torch.Tensor:
+        """The attended slots 0 .. W-1 [W] long, a round's first input. W is capped at the last
+        real slot (the scratch slot S - 1 is written by padding, never read by a live query). For
+        Inductor its length is a dynamic dimension: one compiled graph serves every width."""
+        W = min(width, self.slots - 1)
+        t = self._slot_inputs.get(W)
+        if t is None:
+            t = torch.arange(W, device=next(self.model.parameters()).device)
+            if self.backend == "inductor":
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=self.slots - 1)
+            self._slot_inputs[W] = t
+        return t
+
+    def _graph(self, key: tuple, width: int, build):
+        """The callable for graph ``key`` (kind, batch, params, width, shape) at attended ``width``.
+
+        A mapping given to :meth:`use_graphs` is asked for ``key`` as it is (its graphs are per
+        width). Otherwise the engine's own graph serves: one per key without its width, built by
+        ``build()`` (a function whose first input is the attended slots), bound here to
+        ``width``'s slot input."""
+        shared = (*key[:3], None, *key[4:])
+        bound = self._bound.get((shared, width))
+        if bound is not None:
+            return bound
+        if key in self._fns:
+            return self._fns[key]
+        if shared not in self._fns:
+            self._fns[shared] = build()
+        fn, cols = self._fns[shared], self._slot_input(width)
+        bound = self._bound[(shared, width)] = lambda *args: fn(cols, *args)
+        return bound
 
     def _compiled(self, name: str, fn, weights=None):
         """``fn`` compiled for this object's backend and device. ``weights``: the modules whose
         parameters the graph reads (default: the target model; ``()`` for weight-free graphs),
-        what a frozen copy of it costs."""
+        what a frozen copy of it costs. The first call builds the graph (counted in
+        :attr:`graphs_built`); after :meth:`warmup` a build inside ``generate`` warns."""
+        # Dynamo caches compiled graphs on the *code object*, and every round function of every
+        # compiled object shares one (a closure per shape): past torch._dynamo's recompile_limit
+        # (8) shapes in a process, fullgraph compilation fails. A fresh code object per compiled
+        # function gives each its own cache with one entry (and one guard check per call).
+        graph = f"{fn.__code__.co_name}_{len(self._fns)}"
+        fn.__code__ = fn.__code__.replace(co_name=graph)
         if self.backend == "eager":
-            return fn
+            return self._counted(graph, fn, lambda: None)
         # freezing: weights become constants of the graph (prepacked for MKL on CPU: GEMV ~25% faster
         # on SmolLM2). On CPU, per-step elementwise kernels are tiny: one OpenMP region each costs
         # more than it saves, so they run single-threaded (GEMMs still use all threads).
@@ -648,13 +695,9 @@ class SpecGraphModel:
             # (benchmarks/autotune_bench.py), at ~2x the compile time
             config.update(max_autotune=True,
                           max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
+        if hasattr(torch._inductor.config, "autotune_num_choices_displayed"):
+            config["autotune_num_choices_displayed"] = 0  # no autotune tables on the user's terminal
         self.inductor_config = dict(config)  # what every compiled graph of this object is built with
-        # Dynamo caches compiled graphs on the *code object*, and every round function of every
-        # compiled object shares one (a closure per shape): past torch._dynamo's recompile_limit
-        # (8) shapes in a process, fullgraph compilation fails. A fresh code object per compiled
-        # function gives each its own cache with one entry (and one guard check per call).
-        graph = f"{fn.__code__.co_name}_{len(self._fns)}"
-        fn.__code__ = fn.__code__.replace(co_name=graph)
         if device.type == "cpu":
             config["cpp.threads"] = 1
         nbytes = weight_bytes(*((self.model,) if weights is None else weights))
@@ -669,19 +712,17 @@ class SpecGraphModel:
                         f"{FREEZE_BUDGET.used.get(device.type, 0) / 2**30:.1f} GB of weight copies (budget "
                         f"{FREEZE_BUDGET.limit(device) / 2**30:.1f} GB, {FREEZE_ENV} to change it); this object's "
                         f"further graphs compile without freezing (slower matmuls on CPU, no weight copy)",
-                        stacklevel=4)
+                        stacklevel=5)
             self.graph_frozen[graph] = config["freezing"]
 
         if device.type != "cuda":
             compiled = torch.compile(fn, dynamic=False, fullgraph=True)
 
             def run(*args):
-                if graph not in self.graph_frozen:
-                    decide_freezing()
                 with torch._inductor.config.patch(config):
                     return compiled(*args)
 
-            return run
+            return self._counted(graph, run, decide_freezing)
         # CUDA: one CUDA graph per compiled shape (batch bucket, depth / tree size, attended width):
         # Inductor's cudagraph trees record each graph on first use and replay it afterwards. The KV
         # caches are marked static (see _cache), so their in-place writes stay inside the graph;
@@ -689,13 +730,27 @@ class SpecGraphModel:
         compiled = torch.compile(fn, mode="reduce-overhead", dynamic=False, fullgraph=True)
 
         def run_cuda(*args):
-            if graph not in self.graph_frozen:
-                decide_freezing()
             with torch._inductor.config.patch(config):
                 out = compiled(*args)
             return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
-        return run_cuda
+        return self._counted(graph, run_cuda, decide_freezing)
+
+    def _counted(self, graph: str, run, on_build):
+        """``run`` with its first call (the capture and compile) timed into :attr:`graphs_built`."""
+        def first_call(*args):
+            if self._warm and not self._warming:
+                warnings.warn(f"specgraph: building graph {graph} inside generate: warmup() did not build it "
+                              "(a shape outside the compile settings)", stacklevel=4)
+            on_build()
+            t0 = time.perf_counter()
+            out = run(*args)
+            self.graphs_built[graph] = time.perf_counter() - t0
+            state["fn"] = run
+            return out
+
+        state = {"fn": first_call}
+        return lambda *args: state["fn"](*args)
 
     @staticmethod
     def _graph_params(params: SamplingParams) -> SamplingParams:
@@ -703,35 +758,35 @@ class SpecGraphModel:
         return params if params.greedy else SamplingParams(1.0, params.top_k, params.top_p, params.min_p)
 
     def _round_fn(self, B: int, params: SamplingParams, width: int, k: int):
-        """One verification round over k given drafts (k = 0: a plain decoding step). Greedy:
-        ``fn(root, L, active, accept_u, expo, drafts, draft_probs, *kv)``; sampling takes a
-        ``temperature`` [B] float32 after ``draft_probs``. Returns (tokens [B, k+1], n [B])."""
+        """One verification round over k given drafts (k = 0: a plain decoding step), attending
+        ``width`` cache slots. Greedy: ``fn(root, L, active, accept_u, expo, drafts, draft_probs, *kv)``;
+        sampling takes a ``temperature`` [B] float32 after ``draft_probs``. Returns (tokens [B, k+1], n [B])."""
         params = self._graph_params(params)
-        key = ("round", B, params, width, k)
-        if key not in self._fns:
-            S, window = self.slots, self.window
-            use_q = self.draft in ("model", *learned.LEARNED) and not params.greedy and k > 0
-            step = self._step(B, k + 1, width)
-            hid = self.learned is not None
+        return self._graph(("round", B, params, width, k), width, lambda: self._build_round(B, params, k))
 
-            def outputs(verified, hidden):  # head drafters also read the features [B, k+1, H] of the fed tokens
-                return (*verified, hidden) if hid else verified
-            # root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V] (or [B, k+1, 1]
-            # when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
-            if params.greedy:
-                def round_fn(root, L, active, accept_u, expo, drafts, draft_probs, *kv):
-                    logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, width, window, hidden=True)
-                    return outputs(verify_chain_with_noise(logits, None, drafts, None, 0.0), hidden)
-            else:
-                def round_fn(root, L, active, accept_u, expo, drafts, draft_probs, temperature, *kv):
-                    logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, width, window, hidden=True)
-                    return outputs(verify_chain_with_noise(
-                        scaled_logits(logits, temperature), draft_probs if use_q else None, drafts,
-                        (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
-                    ), hidden)
+    def _build_round(self, B: int, params: SamplingParams, k: int):
+        S, window = self.slots, self.window
+        use_q = self.draft in ("model", *learned.LEARNED) and not params.greedy and k > 0
+        step = self._step(B, k + 1)
+        hid = self.learned is not None
 
-            self._fns[key] = self._compiled("round", round_fn)
-        return self._fns[key]
+        def outputs(verified, hidden):  # head drafters also read the features [B, k+1, H] of the fed tokens
+            return (*verified, hidden) if hid else verified
+        # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V]
+        # (or [B, k+1, 1] when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
+        if params.greedy:
+            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, *kv):
+                logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, cols, window, hidden=True)
+                return outputs(verify_chain_with_noise(logits, None, drafts, None, 0.0), hidden)
+        else:
+            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *kv):
+                logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, cols, window, hidden=True)
+                return outputs(verify_chain_with_noise(
+                    scaled_logits(logits, temperature), draft_probs if use_q else None, drafts,
+                    (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
+                ), hidden)
+
+        return self._compiled("round", round_fn)
 
     def _tree_round_fn(self, B: int, params: SamplingParams, width: int, shape: tuple[int, int, int]):
         """One verification round over a token tree of the compiled ``shape`` (N nodes, at most C
@@ -740,42 +795,41 @@ class SpecGraphModel:
         ``fn(root, L, active, accept_u, expo, tree_tokens, parents, *kv)``; sampling takes a
         ``temperature`` [B] float32 after ``parents``. Returns (path tokens, n, path nodes)."""
         params = self._graph_params(params)
-        key = ("tree", B, params, width, shape)
-        if key not in self._fns:
-            S, window = self.slots, self.window
-            N, C, D = shape
-            step = self._step(B, N, width)
+        return self._graph(("tree", B, params, width, shape), width, lambda: self._build_tree_round(B, params, shape))
 
-            hid = self.learned is not None
+    def _build_tree_round(self, B: int, params: SamplingParams, shape: tuple[int, int, int]):
+        S, window = self.slots, self.window
+        N, C, D = shape
+        step = self._step(B, N)
+        hid = self.learned is not None
 
-            def verify_and_compact(logits, ids, children, noise, L, active, kv, hidden):
-                path_tokens, n, path_nodes = verify_tree_with_noise(
-                    logits, None, ids, children, D, noise, 1.0 if noise is not None else 0.0,
-                    params.top_k, params.top_p, params.min_p,
-                )
-                _compact_path(kv, L, path_nodes, n, active, S - 1)
-                if not hid:
-                    return path_tokens, n, path_nodes
-                # head drafters read the target's features along the accepted path [B, D+1, H]
-                idx = path_nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, hidden.shape[2])
-                return path_tokens, n, path_nodes, hidden.gather(1, idx)
+        def verify_and_compact(logits, ids, children, noise, L, active, kv, hidden):
+            path_tokens, n, path_nodes = verify_tree_with_noise(
+                logits, None, ids, children, D, noise, 1.0 if noise is not None else 0.0,
+                params.top_k, params.top_p, params.min_p,
+            )
+            _compact_path(kv, L, path_nodes, n, active, S - 1)
+            if not hid:
+                return path_tokens, n, path_nodes
+            # head drafters read the target's features along the accepted path [B, D+1, H]
+            idx = path_nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, hidden.shape[2])
+            return path_tokens, n, path_nodes, hidden.gather(1, idx)
 
-            # root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V] (or [B, N, 1]
-            # when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
-            if params.greedy:
-                def tree_round_fn(root, L, active, accept_u, expo, tree_tokens, parents, *kv):
-                    logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
-                                                                width, window, hidden=True)
-                    return verify_and_compact(logits, ids, children, None, L, active, kv, hidden)
-            else:
-                def tree_round_fn(root, L, active, accept_u, expo, tree_tokens, parents, temperature, *kv):
-                    logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
-                                                                width, window, hidden=True)
-                    return verify_and_compact(scaled_logits(logits, temperature), ids, children,
-                                              (accept_u, expo), L, active, kv, hidden)
+        # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V]
+        # (or [B, N, 1] when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
+        if params.greedy:
+            def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, *kv):
+                logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
+                                                            cols, window, hidden=True)
+                return verify_and_compact(logits, ids, children, None, L, active, kv, hidden)
+        else:
+            def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, temperature, *kv):
+                logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
+                                                            cols, window, hidden=True)
+                return verify_and_compact(scaled_logits(logits, temperature), ids, children,
+                                          (accept_u, expo), L, active, kv, hidden)
 
-            self._fns[key] = self._compiled("tree_round", tree_round_fn)
-        return self._fns[key]
+        return self._compiled("tree_round", tree_round_fn)
 
     def _compact_fn(self, B: int, which: str):
         key = ("compact", which, B)
@@ -794,42 +848,42 @@ class SpecGraphModel:
         (at d = 0 also the previous token, as the chain's first draft step does), return the
         draft's top-R tokens at each fed node [B, Q_d, R]. Children are picked deterministically
         (top-k by rank), so verification treats them with recursive rejection: lossless."""
-        key = ("draft_tree", B, d, width)
-        if key not in self._fns:
-            S, window, spec = self.slots, self.draft_window, self.tree
-            fed = self._tree_levels[d]
-            R = max(self.tree_rank) + 1
-            Q = len(fed) + (1 if d == 0 else 0)
-            step = self._step(B, Q, width, which="draft")
-            fed_t = torch.tensor(fed)
-            anc_fed = spec.ancestors[fed_t]  # [Qd, N]
+        return self._graph(("draft_tree", B, None, width, d), width, lambda: self._build_draft_tree(B, d))
 
-            def draft_tree_fn(tree_tokens, prev, L, active, *kv):
-                # tree_tokens [B, N] (column 0 = root), prev [B] token at position L - 1
-                dev = L.device
-                Lc = L.unsqueeze(1)
-                ids = tree_tokens[:, fed_t.to(dev)]
-                pos = Lc + d
-                slots = Lc + fed_t.to(dev)
-                anc = anc_fed.to(dev).unsqueeze(0).expand(B, len(fed), spec.num_nodes)
-                valid = active.unsqueeze(1).expand(B, len(fed))
-                mask = _tree_mask(L, pos.expand(B, len(fed)), anc, valid, width, window)
-                if d == 0:  # the previous token, at position / slot L - 1, sees the committed prefix
-                    pv = active & (L >= 1)
-                    prev_mask = _step_mask((L - 1).clamp_min(0), (L - 1).clamp_min(0).unsqueeze(1), pv.unsqueeze(1), width, window)
-                    ids = torch.cat([prev.unsqueeze(1), ids], dim=1)
-                    pos = torch.cat([(Lc - 1).clamp_min(0), pos.expand(B, len(fed))], dim=1)
-                    slots = torch.cat([torch.where(pv.unsqueeze(1), Lc - 1, S - 1), slots], dim=1)
-                    valid = torch.cat([pv.unsqueeze(1), valid], dim=1)
-                    mask = torch.cat([prev_mask, mask], dim=2)
-                else:
-                    pos = pos.expand(B, len(fed))
-                slots = torch.where(valid, slots, S - 1)
-                logits, _ = step(ids, pos, mask.to(kv[0].dtype), slots, *kv)
-                return logits[:, Q - len(fed):].topk(R, dim=-1).indices  # [B, Qd, R]
+    def _build_draft_tree(self, B: int, d: int):
+        S, window, spec = self.slots, self.draft_window, self.tree
+        fed = self._tree_levels[d]
+        R = max(self.tree_rank) + 1
+        Q = len(fed) + (1 if d == 0 else 0)
+        step = self._step(B, Q, which="draft")
+        fed_t = torch.tensor(fed)
+        anc_fed = spec.ancestors[fed_t]  # [Qd, N]
 
-            self._fns[key] = self._compiled("draft_tree", draft_tree_fn, weights=(self.draft_model,))
-        return self._fns[key]
+        def draft_tree_fn(cols, tree_tokens, prev, L, active, *kv):
+            # cols [W] attended slots, tree_tokens [B, N] (column 0 = root), prev [B] token at position L - 1
+            dev = L.device
+            Lc = L.unsqueeze(1)
+            ids = tree_tokens[:, fed_t.to(dev)]
+            pos = Lc + d
+            slots = Lc + fed_t.to(dev)
+            anc = anc_fed.to(dev).unsqueeze(0).expand(B, len(fed), spec.num_nodes)
+            valid = active.unsqueeze(1).expand(B, len(fed))
+            mask = _tree_mask(L, pos.expand(B, len(fed)), anc, valid, cols, window)
+            if d == 0:  # the previous token, at position / slot L - 1, sees the committed prefix
+                pv = active & (L >= 1)
+                prev_mask = _step_mask((L - 1).clamp_min(0), (L - 1).clamp_min(0).unsqueeze(1), pv.unsqueeze(1), cols, window)
+                ids = torch.cat([prev.unsqueeze(1), ids], dim=1)
+                pos = torch.cat([(Lc - 1).clamp_min(0), pos.expand(B, len(fed))], dim=1)
+                slots = torch.cat([torch.where(pv.unsqueeze(1), Lc - 1, S - 1), slots], dim=1)
+                valid = torch.cat([pv.unsqueeze(1), valid], dim=1)
+                mask = torch.cat([prev_mask, mask], dim=2)
+            else:
+                pos = pos.expand(B, len(fed))
+            slots = torch.where(valid, slots, S - 1)
+            logits, _ = step(ids, pos, mask.to(kv[0].dtype), slots, *kv)
+            return logits[:, Q - len(fed):].topk(R, dim=-1).indices  # [B, Qd, R]
+
+        return self._compiled("draft_tree", draft_tree_fn, weights=(self.draft_model,))
 
     @property
     def _tree_levels(self) -> list[list[int]]:
@@ -856,21 +910,21 @@ class SpecGraphModel:
         token it never saw when every draft of the last round was accepted (re-writing a slot that
         already holds the same K/V is harmless); later steps feed the previous draft token.
         """
-        key = ("draft", B, Q, params, width)
-        if key not in self._fns:
-            S, window = self.slots, self.draft_window
-            step = self._step(B, Q, width, which="draft")
+        return self._graph(("draft", B, params, width, Q), width, lambda: self._build_draft(B, Q, params))
 
-            def draft_fn(tokens, last, active, expo, *kv):
-                # tokens [B, Q], last [B] position of the last fed token, expo [B, V] Exp(1) draws
-                logits = draft_logits(step, tokens, last, active, kv, S, width, window)
-                if params.greedy:
-                    return logits.argmax(dim=-1), logits
-                q = warped_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-                return (q / expo).argmax(dim=-1), q
+    def _build_draft(self, B: int, Q: int, params: SamplingParams):
+        S, window = self.slots, self.draft_window
+        step = self._step(B, Q, which="draft")
 
-            self._fns[key] = self._compiled("draft", draft_fn, weights=(self.draft_model,))
-        return self._fns[key]
+        def draft_fn(cols, tokens, last, active, expo, *kv):
+            # cols [W] attended slots, tokens [B, Q], last [B] position of the last fed token, expo [B, V] Exp(1) draws
+            logits = draft_logits(step, tokens, last, active, kv, S, cols, window)
+            if params.greedy:
+                return logits.argmax(dim=-1), logits
+            q = warped_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+            return (q / expo).argmax(dim=-1), q
+
+        return self._compiled("draft", draft_fn, weights=(self.draft_model,))
 
     def _propose(self, B, params, width, hist, L, root, active, generator, V, k):
         """This round's chain drafts: (k, drafts [B, k], draft_probs [B, k, V] or None).

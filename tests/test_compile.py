@@ -206,7 +206,7 @@ def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
             assert (ref_eos[:, ids.shape[1]:] == PAD).any(), "EOS choice should leave padding in some row"
     if kind in ("ngram", "ngram-tree", "suffix", "suffix-tree"):
         assert accepted > 0, f"{arch}: no model-free draft was ever accepted"
-    widths = {key[-1] for key in fast._steps if key[-1] < fast.slots}
+    widths = {width for _, width in fast._bound if width < fast.slots}
     assert len(widths) >= 2, f"expected rounds on several attended widths, got {widths}"
 
 
@@ -274,7 +274,7 @@ def _hide_in_step_ancestors(orig):
     """A broken mask: queries do not see the earlier tokens of their own step (root / previous drafts)."""
     def broken(L, q_pos, valid, S, window):
         m = orig(L, q_pos, valid, S, window)
-        s = torch.arange(S, device=L.device).view(1, 1, S)
+        s = sg_compiler.slot_index(S, L.device)  # S: an int, or the round's attended-slots input
         tree = (s >= L.view(-1, 1, 1)) & (s < q_pos.unsqueeze(-1))
         return m.masked_fill(tree.unsqueeze(1), NEG)
     return broken
@@ -284,7 +284,7 @@ def _hide_last_committed(orig):
     """Off-by-one in the committed length: slot L-1 is hidden from every query."""
     def broken(L, q_pos, valid, S, window):
         m = orig(L, q_pos, valid, S, window)
-        s = torch.arange(S, device=L.device).view(1, 1, S)
+        s = sg_compiler.slot_index(S, L.device)  # S: an int, or the round's attended-slots input
         return m.masked_fill((s == L.view(-1, 1, 1) - 1).unsqueeze(1), NEG)
     return broken
 
