@@ -177,7 +177,7 @@ class DepthPolicy:
         objects build plain functions, which cost nothing: 0."""
         if getattr(self.fast, "backend", None) == "eager":
             return 0
-        return len(getattr(self.fast, "_fns", ()))
+        return len(getattr(self.fast, "_fns", ())) + len(getattr(self.fast, "graphs_built", ()))
 
     # subclass hooks ---------------------------------------------------------------------------
 

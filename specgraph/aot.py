@@ -77,9 +77,8 @@ from specgraph.artifacts import (
     safe_path, verify_files, versions,
 )
 from specgraph.capture import kv_layout, new_kv_cache
-from specgraph.compiler import (
-    NGRAM_START_K, SUFFIX_CHILDREN, SUFFIX_TREE_SIZES, SpecGraphModel, _bucket, attend_width, prefill_logits,
-)
+from specgraph.compiler import NGRAM_START_K, SpecGraphModel, attend_width, prefill_logits
+from specgraph.graphset import GraphSpec, MODES, Progress, batch_buckets, example_inputs
 from specgraph.onnx_export import _norm_filter
 from specgraph.warping import SamplingParams, check_sampling_params
 
@@ -91,7 +90,6 @@ PT2_SUBDIR = "pt2"
 ONNX_SUBDIR = "onnx"
 CONST_PREFIX = "step.model."  # package constant names: the wrapper's .step (Step) -> .model (the HF model)
 FORMATS = ("pt2", "onnx")
-MODES = ("greedy", "sample")
 # what an AOTInductor package may contain (anything else, e.g. pickled weights, is refused)
 _PACKAGE_SUFFIXES = (".so", ".cpp", ".json", ".h", ".hpp", ".txt", ".o", ".ld", ".cubin", ".fatbin", ".spv")
 _PACKAGE_NAMES = {"archive_format", "archive_version", "version", "byteorder", "serialization_id", ".format_version"}
@@ -108,52 +106,19 @@ __all__ = ["compile_dir", "load_dir", "load_hf_model", "check_model_files", "rea
 # the shapes a compiled object uses
 
 
-@dataclass(frozen=True)
-class GraphSpec:
-    kind: str  # "round" (chain of depth k), "tree" or "prefill" (a chunk of depth = C prompt tokens)
-    batch: int
-    width: int  # attended cache prefix
-    mode: str  # "greedy" or "sample"
-    depth: int  # chain depth k (drafts); for trees the maximum depth D
-    tree: tuple | None = None  # (N nodes, C max children, D) for tree rounds
-
-    @property
-    def name(self) -> str:
-        if self.kind == "prefill":
-            return f"prefill_b{self.batch}_c{self.depth}"
-        shape = f"k{self.depth}" if self.kind == "round" else "n{}_c{}_d{}".format(*self.tree)
-        return f"{self.kind}_b{self.batch}_{shape}_w{self.width}_{self.mode}"
-
-    def key(self) -> tuple:
-        return (self.kind, self.batch, self.width, self.tree if self.kind == "tree" else self.depth, self.mode)
-
-
 def _widths(slots: int, min_attend: int | None = None) -> list[int]:
     """Every attended width :func:`specgraph.compiler.attend_width` can return for this cache."""
     return sorted({attend_width(n, slots, min_attend) for n in range(1, slots + 1)})
-
-
-def _buckets(max_batch: int) -> list[int]:
-    return sorted({_bucket(b, max_batch) for b in range(1, max_batch + 1)})
-
-
-def _tree_shapes(fast: SpecGraphModel) -> list[tuple[int, int, int]]:
-    if fast.tree is None:
-        return []
-    if fast.dynamic_tree:  # suffix trees are packed into one of SUFFIX_TREE_SIZES (see _propose_suffix_tree)
-        return [(n + 1, SUFFIX_CHILDREN, min(fast.k, n)) for n in SUFFIX_TREE_SIZES]
-    spec = fast.tree
-    return [(spec.num_nodes, spec.children.shape[1], spec.max_depth)]
 
 
 def plan_graphs(fast: SpecGraphModel, modes=MODES, prefill_chunk: int | None = PREFILL_CHUNK) -> list[GraphSpec]:
     """The graphs ``fast.generate`` can request: per batch bucket a prefill chunk of
     ``prefill_chunk`` tokens (None: none), and per attended width chain depth 0 (plain step) and the
     prompt-lookup ladder (or the tree shapes), per mode."""
-    chain = [0] if fast.draft is None or fast.tree is not None else sorted({0, *fast.k_ladder})
-    trees = _tree_shapes(fast)
+    chain = fast.chain_depths()
+    trees = fast.tree_shapes()
     out = []
-    for B in _buckets(fast.max_batch_size):
+    for B in batch_buckets(fast.max_batch_size):
         if prefill_chunk:
             out.append(GraphSpec("prefill", B, fast.slots, "greedy", min(prefill_chunk, fast.slots - 1)))
         for w in _widths(fast.slots, fast.min_attend):
@@ -195,38 +160,6 @@ class _PrefillChunk(torch.nn.Module):
         return valid.sum(dim=1)
 
 
-def _example_inputs(fast: SpecGraphModel, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
-    """The non-cache inputs of graph ``g``, with the shapes and dtypes the generation loop passes."""
-    dev = next(fast.model.parameters()).device
-    B = g.batch
-    long = dict(dtype=torch.long, device=dev)
-    if g.kind == "prefill":
-        C = g.depth
-        return ([torch.zeros(B, C, **long), torch.arange(C, **long).expand(B, C).contiguous(),
-                 torch.ones(B, C, dtype=torch.bool, device=dev)], ["ids", "pos", "valid"])
-    root, L, active = torch.zeros(B, **long), torch.ones(B, **long), torch.ones(B, dtype=torch.bool, device=dev)
-    if g.kind == "round":
-        k = g.depth
-        accept_u = torch.zeros(B, k, device=dev)
-        expo = torch.ones(B, k + 1, vocab if g.mode == "sample" else 1, device=dev)
-        drafts = torch.zeros(B, k, **long)
-        args = [root, L, active, accept_u, expo, drafts, accept_u]  # draft_probs: accept_u when None (see generate)
-        names = ["root", "L", "active", "accept_u", "expo", "drafts", "draft_probs"]
-        if g.mode == "sample":
-            args.append(torch.ones(B, device=dev))
-            names.append("temperature")
-        return args, names
-    N, C, _ = g.tree
-    parents = torch.arange(-1, N - 1, **long).expand(B, N).contiguous()  # a chain: any valid tree traces the same graph
-    args = [root, L, active, torch.zeros(B, N, C, device=dev),
-            torch.ones(B, N, vocab if g.mode == "sample" else 1, device=dev), torch.zeros(B, N, **long), parents]
-    names = ["root", "L", "active", "accept_u", "expo", "tree_tokens", "parents"]
-    if g.mode == "sample":
-        args.append(torch.ones(B, device=dev))
-        names.append("temperature")
-    return args, names
-
-
 def _module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
     if g.kind == "prefill":
         return _PrefillChunk(fast._step(g.batch, g.depth), fast.slots, fast.window)
@@ -248,46 +181,6 @@ def _model_tensors(model) -> dict:
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(dict(model.named_buffers(remove_duplicate=False)))
     return named
-
-
-# ----------------------------------------------------------------------------------------------
-# progress
-
-
-class _Progress:
-    """A rich progress bar on stderr when rich is installed and enabled, else one line per graph."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.enabled, self.total, self.done = enabled, total, 0
-        self._bar = None
-        if enabled:
-            try:
-                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-                from rich.console import Console
-
-                self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                     TimeElapsedColumn(), console=Console(stderr=True), transient=False)
-                self._task = self._bar.add_task("compiling", total=total)
-                self._bar.start()
-            except ImportError:  # pragma: no cover - rich comes with typer / transformers' CLI
-                self._bar = None
-
-    def start(self, name: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, description=f"compiling {name}")
-        elif self.enabled:
-            print(f"specgraph compile: [{self.done + 1}/{self.total}] {name} ...", file=sys.stderr, flush=True)
-
-    def advance(self, name: str, seconds: float) -> None:
-        self.done += 1
-        if self._bar is not None:
-            self._bar.update(self._task, advance=1)
-        elif self.enabled:
-            print(f"specgraph compile: {name} done ({seconds:.1f} s)", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,7 +421,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
         specs = plan_graphs(fast, modes, prefill_chunk)
         (out / PT2_SUBDIR).mkdir(exist_ok=True)
         needed: set[str] = set()
-        bar = _Progress(len(specs), progress)
+        bar = Progress(len(specs), progress)
         try:
             for g in specs:
                 bar.start(g.name)
@@ -592,7 +485,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
             "max_batch_size": max_batch_size,
             "max_seq_len": max_seq_len,
             "slots": fast.slots,
-            "batch_buckets": _buckets(max_batch_size),
+            "batch_buckets": batch_buckets(max_batch_size),
             "widths": _widths(fast.slots, fast.min_attend),
             "modes": list(modes),
             "sampling": {"temperature": "input", "top_k": top_k, "top_p": top_p, "min_p": min_p},
@@ -618,7 +511,7 @@ def _tree_json(tree):
 
 
 def _compile_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors) -> dict:
-    args, names = _example_inputs(fast, g, vocab)
+    args, names = example_inputs(fast, g, vocab)
     kv = new_kv_cache(fast.model, g.batch, fast.slots)
     module = _module_for(fast, g, filters)
     with torch.no_grad(), warnings.catch_warnings():

@@ -344,10 +344,14 @@ def _generate_jit(args) -> int:
     draft = None if draft_name == "none" else draft_name
     from specgraph.heads import HeadMismatchError
 
+    # every graph this request can use is built here, before generating: the timing below is generation only
+    _progress(args, f"building the {'sampling' if sample else 'greedy'} graphs ({backend}) ...")
     try:  # a tree round writes up to 64 + 1 slots past the committed length
-        fast = specgraph.compile(model, draft, num_speculative_tokens=K, tree=args.tree, backend=backend,
-                                 autotune="auto" if args.autotune is None else args.autotune, max_batch_size=1,
-                                 max_seq_len=ids.shape[1] + args.max_new_tokens + max(K, 64) + 2)
+        fast, build_s = _timed(lambda: specgraph.compile(
+            model, draft, num_speculative_tokens=K, tree=args.tree, backend=backend,
+            autotune="auto" if args.autotune is None else args.autotune, max_batch_size=1,
+            max_seq_len=ids.shape[1] + args.max_new_tokens + max(K, 64) + 2,
+            modes=("sample",) if sample else ("greedy",), progress=not getattr(args, "quiet", False)))
     except HeadMismatchError as e:  # no trained head for this model: a fact about the files here
         _die(str(e), 1)
     except ValueError as e:
@@ -355,11 +359,10 @@ def _generate_jit(args) -> int:
     if fast.tree_choice is not None:
         _progress(args, f"dynamic tree: depth {fast.k}, {fast.tree_choice['nodes']} nodes (measured here; predicted "
                         f"{fast.tree_choice['predicted_speedup']:.2f}x a plain step)")
-    _progress(args, "compiling on first use (about a minute per graph on a small CPU; cached afterwards) ..."
-              if backend == "inductor" else "warming up ...")
+    _progress(args, f"compile: {len(fast.graphs_built)} graphs built in {build_s:.1f} s")
     _, dt = _timed(lambda: fast.generate(ids, **{**gkw, "max_new_tokens": min(8, args.max_new_tokens)},
                                          generator=torch.Generator(device=device).manual_seed(args.seed)))
-    _progress(args, f"warm-up done in {dt:.1f} s")
+    _progress(args, f"warm-up call done in {dt:.1f} s")
     streamer = _streamer(tok, args.stream)
     out, sg_s = _timed(lambda: fast.generate(ids, generator=torch.Generator(device=device).manual_seed(args.seed),
                                              streamer=streamer, **gkw))
@@ -370,7 +373,8 @@ def _generate_jit(args) -> int:
         print(text, flush=True)
     result = _generation_result(args, text, ids.shape[1], n_new, sg_s, stats.mean_emitted, {
         "source": "model", "draft": draft_name, "tree": args.tree, "num_speculative_tokens": fast.k,
-        "backend": backend, "device": str(device), "dtype": str(dtype).replace("torch.", "")})
+        "backend": backend, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "compile_seconds": build_s, "graphs_built": len(fast.graphs_built)})
     if args.compare is not False:
         ref, hf_s = _hf_reference(model, ids, gkw)
         result["compare"] = cmp = _compare_result(out, ref, ids.shape[1], sg_s, hf_s, sample)

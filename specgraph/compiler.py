@@ -26,6 +26,7 @@ from specgraph.capture import Step, UnsupportedModel, capture_step, check_suppor
 from specgraph.drafters import ChainDrafter, ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
+from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set
 from specgraph.suffix import SuffixIndex
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
 from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
@@ -194,6 +195,16 @@ def _check_draft_model(target, draft) -> None:
         raise ValueError("target and draft must be on the same device")
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the strides of a new tensor of its shape: compiled graphs guard on input strides,
+    and the loop's views (a row slice, an empty ``[B, 0]`` draft tensor cut from the history) must
+    not make a graph that warmup built on fresh tensors build again. Contiguous tensors, the KV
+    caches among them, are passed as they are (their in-place writes must land)."""
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    return t.contiguous()
+
+
 def _race_noise(B, V, device, generator, greedy):
     if greedy:
         return torch.ones(B, 1, device=device)
@@ -213,6 +224,9 @@ SUFFIX_MIN_SCORE = 0.1
 # 2-core CPU: benchmarks/suffix_min_match_bench.py)
 SUFFIX_MIN_MATCH = 2
 MIN_ATTEND = 256  # overridable for tests
+# compile(warmup=None) builds the whole graph set up front (the test suite turns this off: each test
+# then builds only the graphs it runs; the warmup tests pass warmup=True)
+WARMUP_BY_DEFAULT = True
 # autotune="auto" turns Inductor's GEMM autotuning on for CPU models of at least this many parameters:
 # SmolLM2-135M on a 2-core CPU decodes faster plain and with prompt lookup, for ~2x the compile time
 # (benchmarks/autotune_bench.py); for tiny models the GEMMs are not what a step costs, so only the
@@ -603,6 +617,90 @@ class SpecGraphModel:
             raise ValueError(f"kind must be 'round' or 'tree', got {kind!r}")
         return (kind, batch, self._graph_params(params), width, shape)
 
+    # ------------------------------------------------------------------------------------------
+    # the graph set
+
+    def chain_depths(self) -> list[int]:
+        """The chain depths a round can run at: 0 (a plain step: plain decoding, a model-free
+        drafter without a match, a tree drafter without a tree, the adaptive policy's off) and the
+        drafter's ladder (or the policy's depths)."""
+        if self.draft is None:
+            return [0]
+        if self.tree is not None:
+            return [0] if self.learned is None and self.draft != "model" else []
+        chain = set(self.k_ladder)
+        if self.draft in ("ngram", "suffix", "custom") or self.policy is not None:
+            chain.add(0)
+        return sorted(chain)
+
+    def tree_shapes(self) -> list[tuple[int, int, int]]:
+        """The tree round shapes (N nodes, C max children, D depth) the loop can run; [] for chains."""
+        if self.tree is None or self.learned is not None:  # a head drafter's trees: built by its warmup generation
+            return []
+        if self.dynamic_tree:  # suffix trees are packed into one of SUFFIX_TREE_SIZES (see pack_suffix_trees)
+            return [(n + 1, SUFFIX_CHILDREN, min(self.k, n)) for n in SUFFIX_TREE_SIZES]
+        spec = self.tree
+        return [(spec.num_nodes, spec.children.shape[1], spec.max_depth)]
+
+    @property
+    def draft_q(self) -> bool:
+        """Whether sampled rounds read the draft's q rows (drafts sampled from a draft distribution)."""
+        return self.draft in ("model", *learned.LEARNED)
+
+    def graph_plan(self, modes=MODES) -> list[GraphSpec]:
+        """Every graph :meth:`generate` can ask for under this object's settings, for the given
+        sampling modes: what :meth:`warmup` builds (see :mod:`specgraph.graphset`)."""
+        return plan_graph_set(self, modes)
+
+    def warmup(self, modes=MODES, progress: bool = True) -> dict[str, float]:
+        """Build every graph of :meth:`graph_plan` now, so that no ``generate`` call compiles:
+        any prompt length up to ``max_seq_len``, any batch up to ``max_batch_size``, the given
+        modes. Sampling graphs are built for temperature-only sampling (top-k / top-p / min-p are
+        baked into a sampling graph: a request with other filters builds its graph on first use,
+        with a warning). ``progress``: a progress bar on stderr. Returns {graph: seconds}."""
+        plan = self.graph_plan(modes)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        width = min(self.min_attend, self.slots - 1)
+        bar = Progress(len(plan), progress, verb="building")
+        seconds = {}
+        with self._lock, torch.no_grad():  # as generate runs them (grad mode is part of a graph's guards)
+            self._warming = True
+            try:
+                for g in plan:
+                    bar.start(g.name)
+                    t0 = time.perf_counter()
+                    self._build(g, vocab, width)
+                    seconds[g.name] = time.perf_counter() - t0
+                    bar.advance(g.name, seconds[g.name])
+            finally:
+                self._warming = False
+                bar.close()
+            self._warm = True
+        return seconds
+
+    def _build(self, g: GraphSpec, vocab: int, width: int) -> None:
+        """Run graph ``g`` once on placeholder inputs (its first call builds it)."""
+        params = SamplingParams(0.0) if g.mode == "greedy" else SamplingParams(1.0)
+        if g.kind == "learned":  # a two-token generation runs the head's graphs for this batch and mode
+            stats = self.stats
+            ids = torch.full((g.batch, 4), 1, dtype=torch.long, device=next(self.model.parameters()).device)
+            self.generate(ids, max_new_tokens=2, do_sample=g.mode == "sample")
+            self.stats = stats
+            return
+        args, _ = example_inputs(self, g, vocab)
+        if g.kind == "round":
+            self._round_fn(g.batch, params, width, g.depth)(*args, *self._cache(g.batch))
+        elif g.kind == "tree":
+            self._tree_round_fn(g.batch, params, width, g.tree)(*args, *self._cache(g.batch))
+        elif g.kind == "draft":
+            self._draft_fn(g.batch, g.depth, params, width)(*args, *self._cache(g.batch, "draft"))
+        elif g.kind == "draft_tree":
+            self._draft_tree_fn(g.batch, g.depth, width)(*args, *self._cache(g.batch, "draft"))
+        elif g.kind == "compact":
+            self._compact_fn(g.batch, "draft")(*args, *self._cache(g.batch, "draft"))
+        else:
+            raise ValueError(f"graph kind {g.kind!r} is not built by warmup")
+
     @property
     def min_attend(self) -> int:
         """Smallest attended cache width of a round (see MIN_ATTEND, MIN_ATTEND_CUDA)."""
@@ -666,7 +764,7 @@ class SpecGraphModel:
         if shared not in self._fns:
             self._fns[shared] = build()
         fn, cols = self._fns[shared], self._slot_input(width)
-        bound = self._bound[(shared, width)] = lambda *args: fn(cols, *args)
+        bound = self._bound[(shared, width)] = lambda *args: fn(cols, *map(_dense, args))
         return bound
 
     def _compiled(self, name: str, fn, weights=None):
@@ -695,8 +793,9 @@ class SpecGraphModel:
             # (benchmarks/autotune_bench.py), at ~2x the compile time
             config.update(max_autotune=True,
                           max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
-        if hasattr(torch._inductor.config, "autotune_num_choices_displayed"):
-            config["autotune_num_choices_displayed"] = 0  # no autotune tables on the user's terminal
+        for quiet in ("autotune_num_choices_displayed", "max_autotune_report_choices_stats"):
+            if hasattr(torch._inductor.config, quiet):  # no autotune tables or stats on the user's terminal
+                config[quiet] = 0 if quiet == "autotune_num_choices_displayed" else False
         self.inductor_config = dict(config)  # what every compiled graph of this object is built with
         if device.type == "cpu":
             config["cpp.threads"] = 1
@@ -765,6 +864,10 @@ class SpecGraphModel:
         return self._graph(("round", B, params, width, k), width, lambda: self._build_round(B, params, k))
 
     def _build_round(self, B: int, params: SamplingParams, k: int):
+        return self._compiled("round", self.round_function(B, params, k))
+
+    def round_function(self, B: int, params: SamplingParams, k: int):
+        """The uncompiled chain round of :meth:`_round_fn`, taking the attended slots [W] first."""
         S, window = self.slots, self.window
         use_q = self.draft in ("model", *learned.LEARNED) and not params.greedy and k > 0
         step = self._step(B, k + 1)
@@ -786,7 +889,7 @@ class SpecGraphModel:
                     (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
                 ), hidden)
 
-        return self._compiled("round", round_fn)
+        return round_fn
 
     def _tree_round_fn(self, B: int, params: SamplingParams, width: int, shape: tuple[int, int, int]):
         """One verification round over a token tree of the compiled ``shape`` (N nodes, at most C
@@ -1263,6 +1366,9 @@ def compile(
     plan=None,
     autotune="auto",
     tree_nodes="auto",
+    warmup: bool | None = None,
+    modes=MODES,
+    progress: bool = True,
 ) -> SpecGraphModel:
     """Compile ``model`` (an HF causal LM in eval mode) for speculative generation.
 
@@ -1272,8 +1378,13 @@ def compile(
     fingerprint matches ``model``; an error when there is none) or an ``EagleHead`` / ``MedusaHeads``
     bound to ``model``. EAGLE takes ``tree=None``, a static tree or ``"dynamic"`` (EAGLE-2 style);
     Medusa a chain or a static tree. ``backend="eager"``
-    runs the same rewritten graphs without torch.compile. Graphs are captured and compiled lazily,
-    on first use of each (batch bucket, query length, attended width).
+    runs the same rewritten graphs without torch.compile.
+
+    ``warmup`` (default True): build every graph ``generate`` can ask for before returning
+    (:meth:`SpecGraphModel.warmup`, with a progress bar on stderr unless ``progress=False``):
+    one graph per (batch bucket, depth or tree shape, mode in ``modes``), whatever the prompt
+    length; after that ``generate`` does not compile. ``warmup=False`` builds each graph on its
+    first use instead. ``modes``: the sampling modes to build, ``("greedy", "sample")`` by default.
 
     ``freeze=True`` lets Inductor treat the weights as constants (faster matmuls on CPU); each
     compiled graph then holds its own prepacked copy of the weights, and later changes to the
@@ -1328,4 +1439,6 @@ def compile(
         adaptive.enable_auto(fast, depths, plan)
     elif depths is not None:
         fast.set_depths(depths)
+    if (WARMUP_BY_DEFAULT if warmup is None else warmup) and fast.fallback_reason is None:
+        fast.warmup(modes, progress=progress)
     return fast

@@ -401,17 +401,6 @@ def _norm_filter(vocab, top_k, top_p, min_p):
     return top_k, top_p, min_p
 
 
-def _tree_shapes(fast) -> list[tuple[int, int, int]]:
-    """The compiled tree shapes (N nodes, C max children, D depth) of ``fast``, as the compiler
-    picks them (``SpecGraphModel._propose_tree`` / ``_propose_suffix_tree``); [] for chains."""
-    if fast.tree is None:
-        return []
-    if fast.dynamic_tree:
-        return [(n + 1, SUFFIX_CHILDREN, min(fast.k, n)) for n in SUFFIX_TREE_SIZES]
-    spec = fast.tree
-    return [(spec.num_nodes, spec.children.shape[1], spec.max_depth)]
-
-
 def tree_graph_name(shape, sample: bool) -> str:
     N, C, D = shape
     return f"tree_n{N}_c{C}_d{D}" + ("_sample" if sample else "")
@@ -458,7 +447,7 @@ def export_onnx(
                                   "with tree=None (chains), or use draft='ngram' / 'suffix' for trees")
     model, S, window = fast.model, fast.slots, fast.window
     draft_model = fast.draft_model if draft == "model" else None
-    shapes = _tree_shapes(fast)
+    shapes = fast.tree_shapes()
     # prompt lookup / suffix chains move between the depths of the compiler's ladder (next_k)
     ladder = sorted(getattr(fast, "k_ladder", None) or [fast.k])
     modes = tuple(modes)

@@ -34,3 +34,12 @@ def char_tokenizer():
         return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _lazy_graphs(monkeypatch):
+    """specgraph.compile builds its whole graph set up front by default; a test builds only the
+    graphs it runs (the same graphs, on first use). tests/test_graphset.py checks the default."""
+    from specgraph import compiler
+
+    monkeypatch.setattr(compiler, "WARMUP_BY_DEFAULT", False)

@@ -1,0 +1,161 @@
+"""The graph set: every graph a compiled object's ``generate`` can ask for, named and enumerable.
+
+One compiled object serves a bounded set of graphs, fixed by its compile settings: per batch
+bucket (powers of two up to ``max_batch_size``) and sampling mode, a chain round per depth the
+loop can choose (0 = a plain step, the drafter's ladder or the adaptive policy's depths), a tree
+round per tree shape, and for draft models the draft's own steps. The attended cache width is not
+part of a graph's identity: a round takes the attended slots as an input whose length is a
+dynamic dimension (see :func:`specgraph.passes.attend_mask_width_pass`), so the set does not grow
+with ``max_seq_len``.
+
+:meth:`specgraph.compiler.SpecGraphModel.warmup` builds the whole set before the first request;
+:mod:`specgraph.aot` packages the same shapes (per attended width for AOTInductor).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("greedy", "sample")
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One graph. ``kind``: "round" (chain of ``depth`` drafts), "tree" (``tree`` = (N nodes,
+    C max children, D depth), ``depth`` = D), "draft" (a draft-model step feeding ``depth`` tokens),
+    "draft_tree" (draft-model tree level ``depth``), "compact" (draft-cache compaction after a
+    tree round), "prefill" (a chunk of ``depth`` prompt tokens) or "learned" (a head drafter's
+    graphs, built by a short generation). ``width``: the attended cache slots for a graph built
+    per width, None for the engine's dynamic-width graphs."""
+
+    kind: str
+    batch: int
+    width: int | None
+    mode: str  # "greedy" or "sample"
+    depth: int
+    tree: tuple | None = None
+
+    @property
+    def name(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill_b{self.batch}_c{self.depth}"
+        shape = "n{}_c{}_d{}".format(*self.tree) if self.kind == "tree" else f"k{self.depth}"
+        if self.kind in ("draft", "draft_tree"):
+            shape = f"q{self.depth}" if self.kind == "draft" else f"d{self.depth}"
+        if self.kind in ("compact", "learned"):
+            return f"{self.kind}_b{self.batch}" + ("" if self.kind == "compact" else f"_{self.mode}")
+        width = "" if self.width is None else f"_w{self.width}"
+        return f"{self.kind}_b{self.batch}_{shape}{width}_{self.mode}"
+
+    def key(self) -> tuple:
+        return (self.kind, self.batch, self.width, self.tree if self.kind == "tree" else self.depth, self.mode)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes graphs are built for: powers of two below ``max_batch``, and ``max_batch``."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def plan(fast, modes=MODES) -> list[GraphSpec]:
+    """Every graph ``fast.generate`` can request, for the given sampling modes (dynamic width)."""
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {tuple(modes)!r}")
+    out = []
+    for B in batch_buckets(fast.max_batch_size):
+        for mode in modes:
+            if fast.learned is not None:  # head graphs are shaped inside the head drafter: a short generation builds them
+                out.append(GraphSpec("learned", B, None, mode, fast.k))
+            out += [GraphSpec("round", B, None, mode, k) for k in fast.chain_depths()]
+            out += [GraphSpec("tree", B, None, mode, t[2], t) for t in fast.tree_shapes()]
+            if fast.draft == "model" and fast.tree is None:
+                out += [GraphSpec("draft", B, None, mode, q) for q in ((2, 1) if fast.k > 1 else (2,))]
+        if fast.draft == "model" and fast.tree is not None:
+            out += [GraphSpec("draft_tree", B, None, "greedy", d) for d in range(fast.tree.max_depth)]
+            out.append(GraphSpec("compact", B, None, "greedy", 0))
+    return out
+
+
+def example_inputs(fast, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
+    """The non-cache inputs of graph ``g``, with the shapes and dtypes the generation loop passes
+    (any values: the loop prefills the cache again before every request)."""
+    dev = next(fast.model.parameters()).device
+    B = g.batch
+    long = dict(dtype=torch.long, device=dev)
+    sample = g.mode == "sample"
+    if g.kind == "prefill":
+        C = g.depth
+        return ([torch.zeros(B, C, **long), torch.arange(C, **long).expand(B, C).contiguous(),
+                 torch.ones(B, C, dtype=torch.bool, device=dev)], ["ids", "pos", "valid"])
+    root, L, active = torch.zeros(B, **long), torch.ones(B, **long), torch.ones(B, dtype=torch.bool, device=dev)
+    temperature = ([torch.ones(B, device=dev)], ["temperature"]) if sample else ([], [])
+    if g.kind == "round":
+        k = g.depth
+        accept_u = torch.zeros(B, k, device=dev)
+        expo = torch.ones(B, k + 1, vocab if sample else 1, device=dev)
+        drafts = torch.zeros(B, k, **long)
+        draft_probs = torch.full((B, k, vocab), 1.0 / vocab, device=dev) if sample and fast.draft_q else accept_u
+        return ([root, L, active, accept_u, expo, drafts, draft_probs, *temperature[0]],
+                ["root", "L", "active", "accept_u", "expo", "drafts", "draft_probs", *temperature[1]])
+    if g.kind == "tree":
+        N, C, _ = g.tree
+        parents = torch.arange(-1, N - 1, **long).expand(B, N).contiguous()  # a chain: any valid tree traces the same graph
+        return ([root, L, active, torch.zeros(B, N, C, device=dev),
+                 torch.ones(B, N, vocab if sample else 1, device=dev), torch.zeros(B, N, **long), parents,
+                 *temperature[0]],
+                ["root", "L", "active", "accept_u", "expo", "tree_tokens", "parents", *temperature[1]])
+    if g.kind == "draft":
+        Q = g.depth
+        return ([torch.zeros(B, Q, **long), L + Q, active, torch.ones(B, vocab if sample else 1, device=dev)],
+                ["tokens", "last", "active", "expo"])
+    if g.kind == "draft_tree":
+        return ([torch.zeros(B, fast.tree.num_nodes, **long), root, L, active], ["tree_tokens", "prev", "L", "active"])
+    if g.kind == "compact":
+        D = fast.tree.max_depth
+        return ([L, torch.zeros(B, D + 1, **long), torch.ones(B, **long), active], ["L", "path_nodes", "n", "active"])
+    raise ValueError(f"graph kind {g.kind!r} has no example inputs")
+
+
+class Progress:
+    """A progress bar on stderr (graphs done / total, elapsed, ETA): rich when it is installed,
+    else one line per graph. ``verb`` names the work ("compiling", "building")."""
+
+    def __init__(self, total: int, enabled: bool, verb: str = "compiling"):
+        self.enabled, self.total, self.done, self.verb = enabled, total, 0, verb
+        self._bar = None
+        if enabled:
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+                self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(),
+                                         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                         TextColumn("eta"), TimeRemainingColumn(), console=Console(stderr=True),
+                                         transient=False)
+                self._task = self._bar.add_task(verb, total=total)
+                self._bar.start()
+            except ImportError:  # pragma: no cover - rich is a dependency
+                self._bar = None
+
+    def start(self, name: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"{self.verb} {name}")
+        elif self.enabled:
+            print(f"specgraph: {self.verb} [{self.done + 1}/{self.total}] {name} ...", file=sys.stderr, flush=True)
+
+    def advance(self, name: str, seconds: float) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1)
+        elif self.enabled:
+            print(f"specgraph: {name} done ({seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
