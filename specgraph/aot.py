@@ -58,6 +58,7 @@ ladder from the manifest).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import platform
 import shutil
@@ -164,10 +165,12 @@ def _module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
     if g.kind == "prefill":
         return _PrefillChunk(fast._step(g.batch, g.depth), fast.slots, fast.window)
     params = SamplingParams(0.0) if g.mode == "greedy" else SamplingParams(1.0, *filters)
+    # the round at this package's width: an int width builds the mask's slot index inside the graph
     if g.kind == "tree":
-        fn = fast._tree_round_fn(g.batch, params, g.width, g.tree)
+        fn = functools.partial(fast.tree_round_function(g.batch, params, g.tree), g.width)
         return _Graph(fn, fast._step(g.batch, g.tree[0]))
-    return _Graph(fast._round_fn(g.batch, params, g.width, g.depth), fast._step(g.batch, g.depth + 1))
+    fn = functools.partial(fast.round_function(g.batch, params, g.depth), g.width)
+    return _Graph(fn, fast._step(g.batch, g.depth + 1))
 
 
 def _inductor_configs(device) -> dict:
@@ -400,7 +403,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
     if "sample" in modes:
         check_sampling_params(1.0, top_k, top_p, min_p)
     fast = specgraph.compile(model, draft, num_speculative_tokens=num_speculative_tokens, tree=tree, backend="eager",
-                             max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, warmup=False)
     if fast.fallback_reason is not None:
         raise ValueError(f"this model cannot be compiled ahead of time: {fast.fallback_reason}")
     if depths is not None and any(d > 0 for d in depths):
@@ -1011,7 +1014,8 @@ def load_dir(
         warnings.simplefilter("ignore")
         k = s["num_speculative_tokens"] if s["draft"] is not None else 1  # plain decoding records K = 0
         fast = sg_compile(model, s["draft"], num_speculative_tokens=k, tree=tree,
-                          backend="inductor", max_batch_size=s["max_batch_size"], max_seq_len=s["max_seq_len"])
+                          backend="inductor", max_batch_size=s["max_batch_size"], max_seq_len=s["max_seq_len"],
+                          warmup=False)  # the directory's packages serve the rounds
     if fast.fallback_reason is not None:
         raise ArtifactError(f"{d}: the model cannot be served by the compiled graphs here: {fast.fallback_reason}")
     if s["draft"] is not None and s["tree"] is None and s["k_ladder"]:

@@ -707,7 +707,9 @@ def cmd_bench(args) -> int:
         device, dtype = _torch_device(args.device), _torch_dtype(args.dtype)
         model, tok = _load_model_reporting(args.model, args, dtype=dtype, device=device)
         backend = args.backend or "inductor"
-        jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=1024, backend=backend)
+        _progress(args, f"building the greedy graphs ({backend}) ...")
+        jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=1024, backend=backend, modes=("greedy",),
+                                progress=not getattr(args, "quiet", False))
         methods[f"specgraph ngram K=4 (JIT{', eager' if backend == 'eager' else ''})"] = jit
         settings = {"source": "model", "draft": "ngram", "num_speculative_tokens": jit.k, "backend": backend,
                     "device": str(device), "dtype": args.dtype or "float32"}
@@ -729,9 +731,9 @@ def cmd_bench(args) -> int:
         runs = {"HF generate (plain)": lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **gkw)}
         for name, m in methods.items():
             runs[name] = (lambda m=m: m.generate(ids, **gkw))
-        _progress(args, f"{pname}: warm-up{' (compiles on first use)' if settings.get('backend') == 'inductor' else ''} ...")
+        _progress(args, f"{pname}: warm-up ...")
         with torch.no_grad():
-            for fn in runs.values():  # warm-up (JIT: compiles)
+            for fn in runs.values():  # warm-up
                 fn()
             times = {n: [] for n in runs}
             outs = {}
@@ -810,7 +812,8 @@ def cmd_plan(args) -> int:
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
     longest = max(len(r) for r in rows) + args.max_new_tokens + max(max(grid), max(depths, default=0) + 1) + 1
     fast = specgraph.compile(model, draft, num_speculative_tokens=max(depths, default=4), backend=args.backend,
-                             max_batch_size=max(args.batch_sizes + args.measure_batch_sizes), max_seq_len=longest)
+                             max_batch_size=max(args.batch_sizes + args.measure_batch_sizes), max_seq_len=longest,
+                             warmup=False)  # the planner builds the shapes it times
     name = args.draft_model or args.draft
     p = specgraph.plan(fast, rows, batch_sizes=args.batch_sizes, grid=grid, max_new_tokens=args.max_new_tokens,
                        repeats=args.repeats, measure_depths=depths, measure_batch_sizes=args.measure_batch_sizes,

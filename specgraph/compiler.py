@@ -867,7 +867,8 @@ class SpecGraphModel:
         return self._compiled("round", self.round_function(B, params, k))
 
     def round_function(self, B: int, params: SamplingParams, k: int):
-        """The uncompiled chain round of :meth:`_round_fn`, taking the attended slots [W] first."""
+        """The uncompiled chain round of :meth:`_round_fn`, taking the attended slots [W] (or an int
+        width: a graph for that width only) first."""
         S, window = self.slots, self.window
         use_q = self.draft in ("model", *learned.LEARNED) and not params.greedy and k > 0
         step = self._step(B, k + 1)
@@ -901,6 +902,11 @@ class SpecGraphModel:
         return self._graph(("tree", B, params, width, shape), width, lambda: self._build_tree_round(B, params, shape))
 
     def _build_tree_round(self, B: int, params: SamplingParams, shape: tuple[int, int, int]):
+        return self._compiled("tree_round", self.tree_round_function(B, params, shape))
+
+    def tree_round_function(self, B: int, params: SamplingParams, shape: tuple[int, int, int]):
+        """The uncompiled tree round of :meth:`_tree_round_fn`, taking the attended slots [W] (or
+        an int width) first."""
         S, window = self.slots, self.window
         N, C, D = shape
         step = self._step(B, N)
@@ -932,7 +938,7 @@ class SpecGraphModel:
                 return verify_and_compact(scaled_logits(logits, temperature), ids, children,
                                           (accept_u, expo), L, active, kv, hidden)
 
-        return self._compiled("tree_round", tree_round_fn)
+        return tree_round_fn
 
     def _compact_fn(self, B: int, which: str):
         key = ("compact", which, B)

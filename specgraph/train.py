@@ -320,7 +320,7 @@ def answer_engine(model, kind: str, batch: int):
     import specgraph
 
     return specgraph.compile(model, "ngram", num_speculative_tokens=8, max_batch_size=batch,
-                             max_seq_len=GEN_MAX_SEQ)
+                             max_seq_len=GEN_MAX_SEQ, warmup=False)  # builds the shapes the data run uses
 
 
 @torch.no_grad()
