@@ -27,6 +27,7 @@ import specgraph
 from specgraph.models import load_model
 
 sys.path.insert(0, os.path.dirname(__file__))
+from batch_bench import _source_commit  # noqa: E402
 from generate_bench import write_json  # noqa: E402
 from width_profile import cpu_name  # noqa: E402
 
@@ -230,7 +231,8 @@ def main(argv=None) -> int:
               f"{r.get('graphs', 0):6d} {r['builds_in_stream']:15d} {str(r['equal_to_hf']):>6}")
     meta = dict(model=args.model, cpu=cpu_name(), torch=torch.__version__, batch=args.batch,
                 max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, prompts=[n for n, _ in PROMPTS],
-                prompt_tokens=[int(ids.shape[1]) for _, ids in prompts], threads=torch.get_num_threads())
+                prompt_tokens=[int(ids.shape[1]) for _, ids in prompts], threads=torch.get_num_threads(),
+                commit=_source_commit())
     if args.out:
         write_json(args.out, meta, rows)
     return 0

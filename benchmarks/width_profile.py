@@ -26,6 +26,7 @@ from specgraph.models import load_model
 from specgraph.warping import SamplingParams
 
 sys.path.insert(0, os.path.dirname(__file__))
+from batch_bench import _source_commit  # noqa: E402
 from generate_bench import write_json  # noqa: E402
 
 
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
                   f"{dy['round_ms_median'] / st['round_ms_median']:>10.2f}")
     meta = dict(model=args.model, cpu=cpu_name(), torch=torch.__version__, k=args.k, max_seq_len=args.max_seq_len,
                 autotune=fast.autotune, freeze=fast.freeze, repeats=args.repeats, passes=args.passes,
-                graphs_built=fast.graphs_built)
+                graphs_built=fast.graphs_built, commit=_source_commit())
     if args.out:
         write_json(args.out, meta, rows)
     return 0
