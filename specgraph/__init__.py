@@ -34,7 +34,8 @@ def _import_installed_kernels() -> None:
 _import_installed_kernels()
 
 from specgraph import perfmodel
-from specgraph.compiler import SpecGraphModel, compile
+from specgraph.api import compile
+from specgraph.compiler import SpecGraphModel
 from specgraph.onnx_export import export_onnx
 from specgraph.planner import Plan, plan
 from specgraph.trees import TreeSpec, ancestor_mask, tree_from_paths, tree_positions

@@ -58,7 +58,6 @@ ladder from the manifest).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import platform
 import shutil
@@ -78,13 +77,14 @@ from specgraph.artifacts import (
     safe_path, verify_files, versions,
 )
 from specgraph.capture import kv_layout, new_kv_cache
-from specgraph.compiler import NGRAM_START_K, SpecGraphModel, attend_width, prefill_logits
+from specgraph.compiler import NGRAM_START_K, SpecGraphModel, prefill_logits
 from specgraph.graphset import GraphSpec, MODES, Progress, batch_buckets, example_inputs
+from specgraph.graphset import plan as plan_graph_set
 from specgraph.onnx_export import _norm_filter
 from specgraph.warping import SamplingParams, check_sampling_params
 
 FORMAT = "specgraph-aot"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one round package per shape, the attended width a dynamic input
 MANIFEST = "manifest.json"
 MODEL_SUBDIR = "model"
 PT2_SUBDIR = "pt2"
@@ -107,26 +107,24 @@ __all__ = ["compile_dir", "load_dir", "load_hf_model", "check_model_files", "rea
 # the shapes a compiled object uses
 
 
-def _widths(slots: int, min_attend: int | None = None) -> list[int]:
-    """Every attended width :func:`specgraph.compiler.attend_width` can return for this cache."""
-    return sorted({attend_width(n, slots, min_attend) for n in range(1, slots + 1)})
-
-
 def plan_graphs(fast: SpecGraphModel, modes=MODES, prefill_chunk: int | None = PREFILL_CHUNK) -> list[GraphSpec]:
-    """The graphs ``fast.generate`` can request: per batch bucket a prefill chunk of
-    ``prefill_chunk`` tokens (None: none), and per attended width chain depth 0 (plain step) and the
-    prompt-lookup ladder (or the tree shapes), per mode."""
-    chain = fast.chain_depths()
-    trees = fast.tree_shapes()
+    """The graphs ``fast.generate`` can request: the engine's graph set (:func:`specgraph.graphset.plan`:
+    per batch bucket and mode, chain depth 0 (plain step) and the prompt-lookup ladder, or the tree
+    shapes; the attended width a dynamic input), plus per batch bucket a prefill chunk of
+    ``prefill_chunk`` tokens (None: none)."""
     out = []
     for B in batch_buckets(fast.max_batch_size):
         if prefill_chunk:
             out.append(GraphSpec("prefill", B, fast.slots, "greedy", min(prefill_chunk, fast.slots - 1)))
-        for w in _widths(fast.slots, fast.min_attend):
-            for mode in modes:
-                out += [GraphSpec("round", B, w, mode, k) for k in chain]
-                out += [GraphSpec("tree", B, w, mode, t[2], t) for t in trees]
-    return out
+    unsupported = [g.name for g in plan_graph_set(fast, modes) if g.kind not in ("round", "tree")]
+    if unsupported:
+        raise ValueError(f"graphs {unsupported[:3]} cannot be compiled ahead of time (only chain and tree rounds)")
+    return out + plan_graph_set(fast, modes)
+
+
+def width_range(fast: SpecGraphModel) -> tuple[int, int]:
+    """The attended widths a round package accepts (its dynamic dimension): 2 .. slots - 1."""
+    return 2, fast.slots - 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,7 +133,8 @@ def plan_graphs(fast: SpecGraphModel, modes=MODES, prefill_chunk: int | None = P
 
 class _Graph(torch.nn.Module):
     """A compiler round function as a module, so ``torch.export`` lifts the step's parameters
-    (``self.step``; constant names ``step.model.<HF name>``)."""
+    (``self.step``; constant names ``step.model.<HF name>``). Inputs: the attended slots [W],
+    then the round's inputs and caches."""
 
     def __init__(self, fn, step):
         super().__init__()
@@ -165,16 +164,35 @@ def _module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
     if g.kind == "prefill":
         return _PrefillChunk(fast._step(g.batch, g.depth), fast.slots, fast.window)
     params = SamplingParams(0.0) if g.mode == "greedy" else SamplingParams(1.0, *filters)
-    # the round at this package's width: an int width builds the mask's slot index inside the graph
+    # the engine's round: its first input is the attended slots [W], W a dynamic dimension
     if g.kind == "tree":
-        fn = functools.partial(fast.tree_round_function(g.batch, params, g.tree), g.width)
-        return _Graph(fn, fast._step(g.batch, g.tree[0]))
-    fn = functools.partial(fast.round_function(g.batch, params, g.depth), g.width)
-    return _Graph(fn, fast._step(g.batch, g.depth + 1))
+        return _Graph(fast.tree_round_function(g.batch, params, g.tree), fast._step(g.batch, g.tree[0]))
+    return _Graph(fast.round_function(g.batch, params, g.depth), fast._step(g.batch, g.depth + 1))
 
 
-def _inductor_configs(device) -> dict:
-    configs = {"aot_inductor.package_constants_in_so": False}
+def _export(fast: SpecGraphModel, g: GraphSpec, module, args: list, kv: list):
+    """``torch.export`` of graph ``g``: a round's attended slots (its first input) have a dynamic
+    length W in :func:`width_range`; every other dimension is static."""
+    if g.kind == "prefill":
+        return torch.export.export(module, (*args, *kv), strict=False)
+    lo, hi = width_range(fast)
+    width = torch.export.Dim("width", min=lo, max=hi)
+    shapes = ({0: width},) + (None,) * (len(args) - 1 + len(kv))
+    return torch.export.export(module, (*args, *kv), dynamic_shapes={"args": shapes}, strict=False)
+
+
+def _inductor_configs(device, freeze: bool = False, autotune: bool = False) -> dict:
+    """AOTInductor settings. ``freeze``: the weights become constants inside the package's .so,
+    prepacked for the GEMMs (a private copy per package); else the .so holds code only and its
+    constants are bound at load time. ``autotune``: Inductor's GEMM template against the library
+    call per shape, as ``specgraph.compile(autotune=True)`` (pays with frozen weights)."""
+    configs = {"aot_inductor.package_constants_in_so": freeze, "freezing": freeze}
+    if autotune:
+        configs.update(max_autotune=True,
+                       max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
+    for quiet, value in (("autotune_num_choices_displayed", 0), ("max_autotune_report_choices_stats", False)):
+        if hasattr(torch._inductor.config, quiet):  # no autotune tables on the user's terminal
+            configs[quiet] = value
     if device.type == "cpu":
         configs["cpp.threads"] = 1  # as SpecGraphModel._compiled: tiny per-step kernels run single-threaded
     return configs
@@ -429,7 +447,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
             for g in specs:
                 bar.start(g.name)
                 t0 = time.perf_counter()
-                entry, names = _compile_graph(fast, g, out, device, top_vocab, (top_k, top_p, min_p), tensors)
+                entry, names = package_graph(fast, g, out, device, top_vocab, (top_k, top_p, min_p), tensors)
                 needed |= names
                 graphs.append(entry)
                 graphs[-1]["seconds"] = round(time.perf_counter() - t0, 2)
@@ -489,7 +507,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
             "max_seq_len": max_seq_len,
             "slots": fast.slots,
             "batch_buckets": batch_buckets(max_batch_size),
-            "widths": _widths(fast.slots, fast.min_attend),
+            "width": dict(zip(("min", "max"), width_range(fast))),
             "modes": list(modes),
             "sampling": {"temperature": "input", "top_k": top_k, "top_p": top_p, "min_p": min_p},
         },
@@ -513,27 +531,36 @@ def _tree_json(tree):
     return [list(p) for p in tree]
 
 
-def _compile_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors) -> dict:
+def package_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors=None, freeze: bool = False,
+                  autotune: bool = False) -> tuple[dict, set]:
+    """Export and package graph ``g`` into ``out/pt2/``; returns (manifest entry, the model tensors
+    the package binds at load time: none when ``freeze``, its weights are inside it)."""
+    tensors = _model_tensors(fast.model) if tensors is None else tensors
     args, names = example_inputs(fast, g, vocab)
+    shapes = [list(a.shape) for a in args]
+    if g.kind != "prefill":  # the attended slots come first; traced at the engine's smallest width
+        args = [torch.arange(min(fast.min_attend, fast.slots - 1), device=device), *args]
+        names, shapes = ["cols", *names], [["width"], *shapes]
     kv = new_kv_cache(fast.model, g.batch, fast.slots)
     module = _module_for(fast, g, filters)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ep = torch.export.export(module, (*args, *kv), strict=False)
+        ep = _export(fast, g, module, args, kv)
         rel = f"{PT2_SUBDIR}/{g.name}.pt2"
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(out / rel), inductor_configs=_inductor_configs(device))
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(out / rel),
+                                                 inductor_configs=_inductor_configs(device, freeze, autotune))
     del ep
-    # every constant the package expects must be a tensor of the model (bound at load time)
-    fqns = _open_package(out / rel).get_constant_fqns()
+    # every constant an unfrozen package expects must be a tensor of the model (bound at load time)
+    fqns = [] if freeze else _open_package(out / rel).get_constant_fqns()
     unbound = [n for n in fqns if not n.startswith(CONST_PREFIX) or n[len(CONST_PREFIX):] not in tensors]
     if unbound:
         raise RuntimeError(f"{g.name}: the package expects constants that are not model tensors: {unbound[:5]}")
     return ({
         "name": g.name, "file": rel, "kind": g.kind, "batch": g.batch, "width": g.width, "mode": g.mode,
         "depth": g.depth, "tree": list(g.tree) if g.tree else None,
-        "inputs": [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype).replace("torch.", "")}
-                   for n, a in zip(names, args)],
-        "num_constants": len(fqns),
+        "inputs": [{"name": n, "shape": shape, "dtype": str(a.dtype).replace("torch.", "")}
+                   for n, shape, a in zip(names, shapes, args)],
+        "num_constants": len(fqns), "frozen": freeze,
     }, {n[len(CONST_PREFIX):] for n in fqns})
 
 
@@ -703,23 +730,24 @@ def check_manifest_paths(d: Path, man: dict) -> None:
                                     "remove it or recompile the directory")
 
 
-class _Package:
+class Package:
     """One loaded AOTInductor package with its constants bound to the model's tensors."""
 
     def __init__(self, path: Path, tensors: dict, spec: dict):
         self.path = path
         t0 = time.perf_counter()
         self.loader = _open_package(path)
-        fqns = self.loader.get_constant_fqns()
+        fqns = [] if spec.get("frozen") else self.loader.get_constant_fqns()  # frozen: the weights are in the .so
         try:
             consts = {n: tensors[n[len(CONST_PREFIX):]] for n in fqns}
         except KeyError as e:
             raise ArtifactError(f"{path}: the package expects constant {e.args[0]!r}, which the model does not have") from e
         # user_managed: the package reads the model's own tensors (no copy); the model outlives it
-        try:
-            self.loader.load_constants(consts, False, True, True, False)
-        except TypeError:  # torch < 2.13: no allow_h2d_copy argument
-            self.loader.load_constants(consts, False, True, True)
+        if consts:
+            try:
+                self.loader.load_constants(consts, False, True, True, False)
+            except TypeError:  # torch < 2.13: no allow_h2d_copy argument
+                self.loader.load_constants(consts, False, True, True)
         self._consts = consts  # keep the bound tensors alive with the package
         self.inputs = [(tuple(i["shape"]), getattr(torch, i["dtype"])) for i in spec["inputs"]]
         self.name = spec["name"]
@@ -729,7 +757,8 @@ class _Package:
         n = len(self.inputs)
         small = []
         for a, (shape, dtype), i in zip(args[:n], self.inputs, range(n)):
-            if tuple(a.shape) != shape or a.dtype != dtype:
+            fits = a.dim() == len(shape) and all(isinstance(d, str) or d == s for d, s in zip(shape, a.shape))
+            if not fits or a.dtype != dtype:
                 raise RuntimeError(f"{self.name}: input {i} is {tuple(a.shape)} {a.dtype}, the package was compiled "
                                    f"for {shape} {dtype}")
             small.append(a if a.is_contiguous() else a.contiguous())
@@ -807,10 +836,10 @@ class LoadedDir:
                                 f"min_p={baked[2]} baked in; asked for top_k={top_k}, top_p={top_p}, min_p={min_p} "
                                 "(recompile with --top-k/--top-p/--min-p; the temperature is free)")
 
-    def _package(self, spec: dict) -> _Package:
+    def _package(self, spec: dict) -> Package:
         name = spec["name"]
         if name not in self._packages:
-            self._packages[name] = _Package(self.path / spec["file"], self._tensors, spec)
+            self._packages[name] = Package(self.path / spec["file"], self._tensors, spec)
         return self._packages[name]
 
     def _resolve(self, key) -> tuple:
@@ -821,12 +850,12 @@ class LoadedDir:
             return None, f"graph {key[0]!r} is not in the compiled directory"
         _, B, params, width, shape = key
         mode = "greedy" if params.greedy else "sample"
-        spec = self._specs.get((kind, B, width, tuple(shape) if kind == "tree" else shape, mode))
-        what = f"{kind} batch={B} width={width} {'depth' if kind == 'round' else 'tree'}={shape} {mode}"
+        spec = self._specs.get((kind, B, tuple(shape) if kind == "tree" else shape, mode))
+        what = f"{kind} batch={B} {'depth' if kind == 'round' else 'tree'}={shape} {mode}"
         if spec is None:
             if mode not in s["modes"]:
                 return None, f"no {mode} graphs were compiled (modes {s['modes']}; recompile with --modes greedy,sample)"
-            return None, f"no package for the {what} round (compiled: batch buckets {s['batch_buckets']}, widths {s['widths']})"
+            return None, f"no package for the {what} round (compiled: batch buckets {s['batch_buckets']})"
         if mode == "greedy":
             return self._package(spec), None
         vocab = self.manifest["model"]["vocab_size"]
@@ -1022,7 +1051,7 @@ def load_dir(
         fast.set_depths(s["k_ladder"])
     loaded = LoadedDir(path=d, manifest=man, fast=fast, model=model, tokenizer=tok, timings=timings)
     loaded._tensors = tensors if tensors is not None else _model_tensors(model)
-    loaded._specs = {(g["kind"], g["batch"], g["width"], tuple(g["tree"]) if g["tree"] else g["depth"], g["mode"]): g
+    loaded._specs = {(g["kind"], g["batch"], tuple(g["tree"]) if g["tree"] else g["depth"], g["mode"]): g
                      for g in man["graphs"]}
     loaded._prefill_specs = {g["batch"]: g for g in man["graphs"] if g["kind"] == "prefill"}
     # Hooks into the compiler (see the report in the module docstring): compiled-graph lookups are

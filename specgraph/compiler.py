@@ -556,6 +556,7 @@ class SpecGraphModel:
         self._slot_inputs: dict = {}
         self.graphs_built: dict[str, float] = {}  # graph name -> seconds its first call (the build) took
         self._warm = self._warming = False  # warmup() ran / is running
+        self.graph_cache = None  # what specgraph.compile's graph cache did for this object (specgraph.graphcache)
         self._prefill_graph = None
         self._kv: dict = {}
         self.pass_counts: dict = {}
@@ -595,27 +596,32 @@ class SpecGraphModel:
     # ------------------------------------------------------------------------------------------
     # precompiled graphs
 
-    def use_graphs(self, graphs, prefill=None) -> None:
+    def use_graphs(self, graphs, prefill=None, complete: bool = False) -> None:
         """Serve rounds from graphs compiled elsewhere (AOTInductor packages: :mod:`specgraph.aot`).
 
-        ``graphs`` is a mapping from graph keys to callables with the signatures of
-        :meth:`_round_fn` / :meth:`_tree_round_fn` (see :meth:`graph_key`); lookups it does not
+        ``graphs`` is a mapping from graph keys (see :meth:`graph_key`) to callables taking the
+        attended cache slots [W] (any W up to ``slots - 1``) first, then the inputs of
+        :meth:`_round_fn` / :meth:`_tree_round_fn`; lookups it does not
         answer (``key not in graphs``) are compiled here as usual, so a mapping may also raise from
         ``__contains__`` to forbid compiling. ``prefill(ids, pos, valid, *kv)`` (ids, pos [B, P]
-        long, valid [B, P] bool) replaces the eager prompt prefill of the target.
+        long, valid [B, P] bool) replaces the eager prompt prefill of the target. ``complete``:
+        the mapping serves the whole graph set (:meth:`graph_plan`), as after :meth:`warmup`: a
+        graph built here later warns.
         """
         self._fns = graphs
         self._bound = {}
         self._prefill_graph = prefill
+        self._warm = self._warm or complete
 
-    def graph_key(self, kind: str, batch: int, params: SamplingParams, width: int, shape) -> tuple:
+    def graph_key(self, kind: str, batch: int, params: SamplingParams, width: int | None, shape) -> tuple:
         """The key :meth:`use_graphs` mappings are asked for: ``kind`` "round" (``shape`` = chain
-        depth k) or "tree" (``shape`` = (N nodes, C max children, D depth)), a batch bucket, the
-        sampling settings (sampling graphs are keyed at temperature 1: it is an input) and the
-        attended width."""
+        depth k) or "tree" (``shape`` = (N nodes, C max children, D depth)), a batch bucket and the
+        sampling settings (sampling graphs are keyed at temperature 1: it is an input). The
+        attended width is an input of the graph, not part of its key: whatever ``width`` is given,
+        the key's width slot is None."""
         if kind not in ("round", "tree"):
             raise ValueError(f"kind must be 'round' or 'tree', got {kind!r}")
-        return (kind, batch, self._graph_params(params), width, shape)
+        return (kind, batch, self._graph_params(params), None, shape)
 
     # ------------------------------------------------------------------------------------------
     # the graph set
@@ -751,16 +757,13 @@ class SpecGraphModel:
     def _graph(self, key: tuple, width: int, build):
         """The callable for graph ``key`` (kind, batch, params, width, shape) at attended ``width``.
 
-        A mapping given to :meth:`use_graphs` is asked for ``key`` as it is (its graphs are per
-        width). Otherwise the engine's own graph serves: one per key without its width, built by
-        ``build()`` (a function whose first input is the attended slots), bound here to
-        ``width``'s slot input."""
+        One graph serves every width: the graph stored under ``key`` without its width (asked of a
+        mapping given to :meth:`use_graphs` first, else built by ``build()``), whose first input
+        is the attended slots, bound here to ``width``'s slot input."""
         shared = (*key[:3], None, *key[4:])
         bound = self._bound.get((shared, width))
         if bound is not None:
             return bound
-        if key in self._fns:
-            return self._fns[key]
         if shared not in self._fns:
             self._fns[shared] = build()
         fn, cols = self._fns[shared], self._slot_input(width)
@@ -799,20 +802,10 @@ class SpecGraphModel:
         self.inductor_config = dict(config)  # what every compiled graph of this object is built with
         if device.type == "cpu":
             config["cpp.threads"] = 1
-        nbytes = weight_bytes(*((self.model,) if weights is None else weights))
 
         def decide_freezing():
             # at the first call, when the graph is compiled: objects that never run a shape reserve nothing
-            if self.freeze and nbytes and not FREEZE_BUDGET.reserve(device, nbytes, self._frozen_account):
-                config["freezing"] = False
-                if all(self.graph_frozen.values()):  # the object's first unfrozen graph
-                    warnings.warn(
-                        f"specgraph: frozen graphs of this process already hold "
-                        f"{FREEZE_BUDGET.used.get(device.type, 0) / 2**30:.1f} GB of weight copies (budget "
-                        f"{FREEZE_BUDGET.limit(device) / 2**30:.1f} GB, {FREEZE_ENV} to change it); this object's "
-                        f"further graphs compile without freezing (slower matmuls on CPU, no weight copy)",
-                        stacklevel=5)
-            self.graph_frozen[graph] = config["freezing"]
+            config["freezing"] = self.reserve_frozen_copy(graph, weights)
 
         if device.type != "cuda":
             compiled = torch.compile(fn, dynamic=False, fullgraph=True)
@@ -834,6 +827,26 @@ class SpecGraphModel:
             return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
         return self._counted(graph, run_cuda, decide_freezing)
+
+    def reserve_frozen_copy(self, graph: str, weights=None) -> bool:
+        """Whether graph ``graph`` may hold a frozen copy of ``weights`` (default: the target
+        model's parameters): ``freeze`` is on and the process-wide budget
+        (:mod:`specgraph.freezing`) has room, which this reserves. Recorded in :attr:`graph_frozen`;
+        the object's first refusal warns."""
+        device = next(self.model.parameters()).device
+        nbytes = weight_bytes(*((self.model,) if weights is None else weights))
+        frozen = self.freeze
+        if self.freeze and nbytes and not FREEZE_BUDGET.reserve(device, nbytes, self._frozen_account):
+            frozen = False
+            if all(self.graph_frozen.values()):  # the object's first unfrozen graph
+                warnings.warn(
+                    f"specgraph: frozen graphs of this process already hold "
+                    f"{FREEZE_BUDGET.used.get(device.type, 0) / 2**30:.1f} GB of weight copies (budget "
+                    f"{FREEZE_BUDGET.limit(device) / 2**30:.1f} GB, {FREEZE_ENV} to change it); this object's "
+                    f"further graphs compile without freezing (slower matmuls on CPU, no weight copy)",
+                    stacklevel=3)
+        self.graph_frozen[graph] = frozen
+        return frozen
 
     def _counted(self, graph: str, run, on_build):
         """``run`` with its first call (the capture and compile) timed into :attr:`graphs_built`."""

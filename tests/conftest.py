@@ -43,3 +43,17 @@ def _lazy_graphs(monkeypatch):
     from specgraph import compiler
 
     monkeypatch.setattr(compiler, "WARMUP_BY_DEFAULT", False)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _graph_cache_in_tmp(tmp_path_factory):
+    """Graph cache entries written by tests go to a temporary folder, never the user's cache."""
+    import os
+
+    old = os.environ.get("SPECGRAPH_GRAPH_CACHE")
+    os.environ["SPECGRAPH_GRAPH_CACHE"] = str(tmp_path_factory.mktemp("graph_cache"))
+    yield
+    if old is None:
+        os.environ.pop("SPECGRAPH_GRAPH_CACHE", None)
+    else:
+        os.environ["SPECGRAPH_GRAPH_CACHE"] = old

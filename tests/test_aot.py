@@ -99,10 +99,12 @@ def test_plan_covers_every_shape_the_loop_can_ask_for(monkeypatch):
     model = tiny_model()
     fast = specgraph.compile(model, "ngram", num_speculative_tokens=8, backend="eager", max_batch_size=3, max_seq_len=600)
     names = {g.name for g in aot.plan_graphs(fast, ("greedy",))}
-    # buckets 1, 2, 3 x (a prefill chunk + widths 256, 512 and all 601 slots x depths 0 and the ladder 4 -> 8)
-    assert len(names) == 3 * (1 + 3 * 3)
+    # buckets 1, 2, 3 x (a prefill chunk + depths 0 and the ladder 4 -> 8); the attended width is an input
+    assert len(names) == 3 * (1 + 3)
     assert {"prefill_b1_c16", "prefill_b3_c16"} <= names
-    assert {"round_b1_k0_w256_greedy", "round_b3_k8_w601_greedy", "round_b2_k4_w512_greedy"} <= names
+    assert {"round_b1_k0_greedy", "round_b3_k8_greedy", "round_b2_k4_greedy"} <= names
+    # exactly the engine's graph set, plus the prefill chunks
+    assert names - {n for n in names if n.startswith("prefill")} == {g.name for g in fast.graph_plan(("greedy",))}
     fast.set_depths([2, 4, 8])  # what --depths 2,4,8 sets
     assert {g.depth for g in aot.plan_graphs(fast, ("greedy", "sample")) if g.kind == "round"} == {0, 2, 4, 8}
     tree = specgraph.compile(model, "ngram", tree=[(0,), (1,), (0, 0)], backend="eager", max_batch_size=1, max_seq_len=64)
@@ -140,9 +142,9 @@ def test_manifest_lists_versions_fingerprint_shapes_and_every_file(compiled):
     assert set(man["model"]["fingerprint"]) == {"sha256", "config", "embeddings", "dtype"}
     assert man["model"]["dtype"] == "float32"
     assert sorted(g["name"] for g in man["graphs"]) == [
-        "prefill_b1_c16", "round_b1_k0_w65_greedy", "round_b1_k0_w65_sample", "round_b1_k2_w65_greedy",
-        "round_b1_k2_w65_sample"]
-    assert man["settings"]["k_ladder"] == [2] and man["settings"]["widths"] == [MAX_SEQ + 1]
+        "prefill_b1_c16", "round_b1_k0_greedy", "round_b1_k0_sample", "round_b1_k2_greedy",
+        "round_b1_k2_sample"]
+    assert man["settings"]["k_ladder"] == [2] and man["settings"]["width"] == {"min": 2, "max": MAX_SEQ}
     assert "model/tokenizer.json" in man["tokenizer"]["files"]
     assert man["tokenizer"]["loader"] == "fast"  # tokenizer.json alone reproduces the tokenizer
     on_disk = {p.relative_to(compiled).as_posix() for p in compiled.rglob("*") if p.is_file()} - {aot.MANIFEST}
@@ -183,7 +185,7 @@ def test_roundtrip_in_a_fresh_process_equals_the_model(compiled, src):
     ids = torch.tensor([prompt])
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert got["greedy"] == ref[0].tolist()
-    assert got["drafted"] > 0 and "round_b1_k2_w65_greedy" in got["graphs"]  # the k=2 package ran
+    assert got["drafted"] > 0 and "round_b1_k2_greedy" in got["graphs"]  # the k=2 package ran
     assert "prefill_b1_c16" in got["graphs"]
     assert got["modeling"] == []  # no transformers modeling code: the packages did all the work
     # sampling: same noise as the eager specgraph path (same graphs, no compile) -> same tokens
@@ -196,7 +198,7 @@ def test_loaded_package_mutates_the_kv_cache_in_place(compiled, src):
     ld = aot.load_dir(compiled, tokenizer=False)
     params = specgraph.SamplingParams(0.0)
     fn = ld.fast._round_fn(1, params, MAX_SEQ + 1, 2)  # served by the package
-    assert ld.loaded_graphs == ["round_b1_k2_w65_greedy"]
+    assert ld.loaded_graphs == ["round_b1_k2_greedy"]
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     eager = specgraph.compile(model, "ngram", num_speculative_tokens=2, backend="eager", max_batch_size=1,
                               max_seq_len=MAX_SEQ)
@@ -234,11 +236,11 @@ def test_request_outside_the_compiled_shapes_is_refused(compiled):
 
 def test_modified_file_is_refused(compiled, tmp_path):
     d = copy_dir(compiled, tmp_path)
-    pkg = d / "pt2" / "round_b1_k2_w65_greedy.pt2"
+    pkg = d / "pt2" / "round_b1_k2_greedy.pt2"
     data = bytearray(pkg.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one byte changed
     pkg.write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match=r"round_b1_k2_w65_greedy\.pt2: sha256 does not match"):
+    with pytest.raises(ArtifactError, match=r"round_b1_k2_greedy\.pt2: sha256 does not match"):
         aot.load_dir(d, tokenizer=False)
 
 
@@ -252,8 +254,8 @@ def test_truncated_weights_are_refused(compiled, tmp_path):
 
 def test_missing_file_and_broken_manifest_are_refused(compiled, tmp_path):
     d = copy_dir(compiled, tmp_path)
-    (d / "pt2" / "round_b1_k0_w65_sample.pt2").unlink()
-    with pytest.raises(ArtifactError, match="round_b1_k0_w65_sample.pt2: listed in the manifest but missing"):
+    (d / "pt2" / "round_b1_k0_sample.pt2").unlink()
+    with pytest.raises(ArtifactError, match="round_b1_k0_sample.pt2: listed in the manifest but missing"):
         aot.load_dir(d, tokenizer=False)
     (d / aot.MANIFEST).write_text("{not json")
     with pytest.raises(ArtifactError, match="not valid JSON"):
@@ -292,7 +294,7 @@ def test_manifest_path_outside_the_directory_is_refused(compiled, tmp_path, fiel
 def test_manifest_path_missing_from_the_files_table_is_refused(compiled, tmp_path, field):
     d = copy_dir(compiled, tmp_path)
     name = "pt2/unlisted.pt2"
-    shutil.copy(d / "pt2" / "round_b1_k0_w65_greedy.pt2", d / name)
+    shutil.copy(d / "pt2" / "round_b1_k0_greedy.pt2", d / name)
     rewrite_manifest(d, _point(field, name))
     with pytest.raises(ArtifactError, match=r"'pt2/unlisted\.pt2' is not listed in its files"):
         aot.load_dir(d, tokenizer=False)
@@ -302,7 +304,7 @@ def test_manifest_path_missing_from_the_files_table_is_refused(compiled, tmp_pat
 
 def test_deleted_files_entry_and_unlisted_files_are_refused(compiled, tmp_path):
     d = copy_dir(compiled, tmp_path)
-    rewrite_manifest(d, lambda m: m["files"].pop("pt2/round_b1_k0_w65_greedy.pt2"))
+    rewrite_manifest(d, lambda m: m["files"].pop("pt2/round_b1_k0_greedy.pt2"))
     with pytest.raises(ArtifactError, match="not listed in its files"):
         aot.load_dir(d, tokenizer=False)
     d2 = copy_dir(compiled, tmp_path / "b")
@@ -311,7 +313,7 @@ def test_deleted_files_entry_and_unlisted_files_are_refused(compiled, tmp_path):
         aot.load_dir(d2, tokenizer=False)
 
 
-@pytest.mark.parametrize("target", ["pt2/round_b1_k0_w65_greedy.pt2", "model/model.safetensors", "pt2"])
+@pytest.mark.parametrize("target", ["pt2/round_b1_k0_greedy.pt2", "model/model.safetensors", "pt2"])
 def test_symbolic_links_are_refused(compiled, tmp_path, target):
     d = copy_dir(compiled, tmp_path)
     real = d / target
@@ -398,7 +400,7 @@ def test_failed_recompile_leaves_the_directory_working(compiled, tmp_path, monke
     def fail(*a, **k):
         raise RuntimeError("compiler crashed")
 
-    monkeypatch.setattr(aot, "_compile_graph", fail)
+    monkeypatch.setattr(aot, "package_graph", fail)
     with pytest.raises(RuntimeError, match="compiler crashed"):
         aot.compile_dir(tiny_model(), d, draft=None, modes=("greedy",), max_seq_len=MAX_SEQ, overwrite=True,
                         progress=False)
@@ -428,9 +430,9 @@ def test_model_fingerprint_mismatch_is_refused(compiled):
 
 def test_package_holding_a_pickle_is_refused_even_with_a_matching_hash(compiled, tmp_path):
     d = copy_dir(compiled, tmp_path)
-    name = "pt2/round_b1_k0_w65_greedy.pt2"
+    name = "pt2/round_b1_k0_greedy.pt2"
     with zipfile.ZipFile(d / name, "a") as z:
-        z.writestr("round_b1_k0_w65_greedy/data/weights/payload.pkl", b"\x80\x04N.")
+        z.writestr("round_b1_k0_greedy/data/weights/payload.pkl", b"\x80\x04N.")
     from specgraph.artifacts import file_entry
 
     rewrite_manifest(d, lambda m: m["files"].update({name: file_entry(d / name)}))

@@ -657,8 +657,9 @@ def test_compile_rejects_bad_depths(llama, draft, kwargs, depths, match):
 
 
 def test_use_graphs_serves_rounds_and_prefill_from_the_given_graphs(llama):
-    """The public hook AOT loading uses: rounds are looked up in the given mapping (a miss compiles
-    as usual; a mapping may refuse), and the prompt prefill runs the given prefill graph."""
+    """The public hook AOT loading uses: rounds are looked up in the given mapping by their key
+    without a width (a miss compiles as usual; a mapping may refuse), served with the attended
+    slots first, and the prompt prefill runs the given prefill graph."""
     ids, mask = left_pad([[5, 6, 7, 8, 9, 10]])
     ref = hf_generate(llama, ids, mask, max_new_tokens=6)
     donor = specgraph.compile(llama, backend="eager", max_batch_size=1, max_seq_len=64)
@@ -669,7 +670,7 @@ def test_use_graphs_serves_rounds_and_prefill_from_the_given_graphs(llama):
             if key[0] != "round":
                 raise LookupError(f"refused {key[0]}")
             served.append(key)
-            self[key] = donor._round_fn(key[1], key[2], key[3], key[4])
+            self[key] = donor.round_function(key[1], key[2], key[4])  # the attended slots come first
             return True
 
     def prefill(ids, pos, valid, *kv):
@@ -679,7 +680,7 @@ def test_use_graphs_serves_rounds_and_prefill_from_the_given_graphs(llama):
     fast = specgraph.compile(llama, backend="eager", max_batch_size=1, max_seq_len=64)
     fast.use_graphs(Graphs(), prefill=prefill)
     assert_same(llama, ids, mask, ref, sg_generate(fast, ids, mask, max_new_tokens=6), "use_graphs")
-    assert prefills == [(1, 5)] and served[0] == fast.graph_key("round", 1, sg_compiler.SamplingParams(0.0), 65, 0)
+    assert prefills == [(1, 5)] and served[0] == fast.graph_key("round", 1, sg_compiler.SamplingParams(0.0), None, 0)
     with pytest.raises(ValueError, match="kind"):
         fast.graph_key("draft", 1, sg_compiler.SamplingParams(0.0), 65, 0)
 

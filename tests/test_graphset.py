@@ -117,7 +117,7 @@ def test_generate_never_compiles_after_warmup(llama, monkeypatch):
     """Inductor, compile's default (warmup): 8 graphs (buckets 1, 2 x depths 0, 4 x greedy, sample);
     then 24 calls of prompt lengths 3..230, batch 1 and 2, greedy and sampling build none."""
     monkeypatch.setattr(specgraph.compiler, "WARMUP_BY_DEFAULT", True)  # the default (conftest turns it off)
-    fast = specgraph.compile(llama, "ngram", max_batch_size=2, max_seq_len=300, progress=False)
+    fast = specgraph.compile(llama, "ngram", max_batch_size=2, max_seq_len=300, progress=False, cache=False)
     assert len(fast.graphs_built) == len(fast.graph_plan()) == 8
     built, compiles = dict(fast.graphs_built), _compiles()
     g = torch.Generator().manual_seed(0)

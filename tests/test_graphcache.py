@@ -1,0 +1,147 @@
+"""The persistent graph cache (specgraph.graphcache), on a tiny Llama (prompt lookup K = 2: depths
+0 and 2, batch bucket 1, greedy and sampling: 4 packages per entry).
+
+- a first compile builds the entry (no JIT graph: Dynamo compiles nothing), and greedy output
+  over several prompt lengths equals ``model.generate``; sampled output reproduces under a seed
+  and equals the JIT object's;
+- a second compile of the same model and settings loads the entry (builds nothing);
+- a changed weight that the embedding-only fingerprint does not see, or a changed setting, is
+  another entry; served by the new entry, output equals the changed model's ``model.generate``
+  (negative control: serving the changed model from the old entry's packages would not);
+- a corrupt package is detected by its sha256, warned about and rebuilt.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import specgraph
+from specgraph import graphcache
+from specgraph.artifacts import model_fingerprint
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+SETTINGS = dict(num_speculative_tokens=2, max_batch_size=1, max_seq_len=96, progress=False, warmup=True)
+
+
+def tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("llama", **TINY)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for n in (3, 17, 40):
+        motif = torch.randint(3, 128, (5,), generator=g)
+        out.append(torch.cat([torch.randint(3, 128, (n,), generator=g), motif, motif])[None])  # lookups can match
+    return out
+
+
+def hf(model, ids, n=24):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+
+
+def assert_greedy_equal(model, fast):
+    for ids in prompts():
+        ref = hf(model, ids)
+        assert torch.equal(fast.generate(ids, max_new_tokens=24), ref), ids.shape
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("entries")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def first(model, root):
+    unique = counters["stats"]["unique_graphs"]
+    fast = specgraph.compile(model, "ngram", cache=root, **SETTINGS)
+    assert counters["stats"]["unique_graphs"] == unique  # the entry serves every graph: Dynamo compiled none
+    return fast
+
+
+def test_first_compile_builds_the_entry_and_generates_exactly(model, first, root):
+    info = first.graph_cache
+    assert info["hit"] is False and info["built"] == info["loaded"] == 4
+    assert first.graphs_built == {}  # no JIT graph
+    entry = json.loads((root / next(p.name for p in root.iterdir() if not p.name.startswith(".")) /
+                        graphcache.ENTRY).read_text())
+    assert sorted(g["name"] for g in entry["graphs"]) == sorted(g.name for g in first.graph_plan())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="specgraph")  # nothing is built inside generate
+        assert_greedy_equal(model, first)
+        ids = prompts()[1]
+        a = first.generate(ids, max_new_tokens=16, do_sample=True, temperature=0.8, generator=torch.Generator().manual_seed(3))
+        b = first.generate(ids, max_new_tokens=16, do_sample=True, temperature=0.8, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    jit = specgraph.compile(model, "ngram", cache=False, backend="eager", **{**SETTINGS, "warmup": False})
+    c = jit.generate(ids, max_new_tokens=16, do_sample=True, temperature=0.8, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, c)  # the packaged sampling round is the engine's round
+
+
+def test_second_compile_loads_the_entry(model, first, root):
+    again = specgraph.compile(model, "ngram", cache=root, **SETTINGS)
+    assert again.graph_cache["hit"] is True and again.graph_cache["built"] == 0 and again.graph_cache["loaded"] == 4
+    assert again.graph_cache["path"] == first.graph_cache["path"] and again.graphs_built == {}
+    assert_greedy_equal(model, again)
+
+
+def test_changed_weights_or_settings_are_another_entry(model, first, root):
+    changed = tiny_llama()
+    with torch.no_grad():
+        changed.model.layers[1].mlp.down_proj.weight.mul_(-1.0)
+    # the embedding-only fingerprint cannot tell the two apart; the cache key can
+    assert model_fingerprint(changed) == model_fingerprint(model)
+    assert graphcache.key_digest(graphcache.entry_key(first, ("greedy", "sample"))) != \
+        graphcache.key_digest(graphcache.entry_key(specgraph.compile(changed, "ngram", cache=False, **{**SETTINGS, "warmup": False}),
+                                                   ("greedy", "sample")))
+    fast = specgraph.compile(changed, "ngram", cache=root, **{**SETTINGS, "modes": ("greedy",)})
+    assert fast.graph_cache["hit"] is False and fast.graph_cache["path"] != first.graph_cache["path"]
+    assert_greedy_equal(changed, fast)
+    # negative control: the first entry's frozen packages carry the first model's weights
+    stale = specgraph.compile(changed, "ngram", cache=False, backend="eager", **{**SETTINGS, "warmup": False})
+    packages, _ = graphcache.open_entry(stale, first.graph_cache["path"], reserve=False)
+    stale.use_graphs(graphcache.CachedGraphs(packages))
+    ids = prompts()[2]
+    assert not torch.equal(stale.generate(ids, max_new_tokens=24), hf(changed, ids))
+    longer = specgraph.compile(model, "ngram", cache=root, **{**SETTINGS, "max_seq_len": 128, "modes": ("greedy",)})
+    assert longer.graph_cache["path"] not in (first.graph_cache["path"], fast.graph_cache["path"])
+
+
+def test_a_corrupt_entry_is_rebuilt_not_trusted(model, first, root, tmp_path):
+    import shutil
+    from pathlib import Path
+
+    src = Path(first.graph_cache["path"])
+    copy_root = tmp_path / "c"
+    shutil.copytree(src, copy_root / src.name)
+    pkg = next((copy_root / src.name / "pt2").iterdir())
+    data = bytearray(pkg.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pkg.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="sha256"):
+        fast = specgraph.compile(model, "ngram", cache=copy_root, **SETTINGS)
+    assert fast.graph_cache["hit"] is False and fast.graph_cache["built"] == 4
+    assert_greedy_equal(model, fast)
+
+
+def test_unsupported_objects_use_the_jit(model, root):
+    draft = specgraph.compile(model, tiny_llama(seed=2), cache=root, backend="eager", **{**SETTINGS, "modes": ("greedy",)})
+    assert draft.graph_cache is None
+    assert graphcache.unsupported(draft) is not None
