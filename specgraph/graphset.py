@@ -9,7 +9,8 @@ dynamic dimension (see :func:`specgraph.passes.attend_mask_width_pass`), so the 
 with ``max_seq_len``.
 
 :meth:`specgraph.compiler.SpecGraphModel.warmup` builds the whole set before the first request;
-:mod:`specgraph.aot` packages the same shapes (per attended width for AOTInductor).
+:mod:`specgraph.aot` and :mod:`specgraph.graphcache` package the same graphs (the width a dynamic
+input of each AOTInductor package).
 """
 from __future__ import annotations
 

@@ -194,6 +194,27 @@ def test_roundtrip_in_a_fresh_process_equals_the_model(compiled, src):
     assert got["sampled"] == ref_s[0].tolist()
 
 
+def test_frozen_directory_carries_its_weights_and_equals_the_model(src, tmp_path):
+    """``--freeze``: the weights are inside every package (nothing bound at load), and a fresh
+    process serving the directory gives ``model.generate``'s tokens."""
+    out = tmp_path / "frozen"
+    r = cli("compile", src, "--out", out, "--draft", "ngram", "--num-speculative-tokens", 2, "--max-seq-len", MAX_SEQ,
+            "--modes", "greedy", "--freeze", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    man = json.loads((out / aot.MANIFEST).read_text())
+    assert man["settings"]["freeze"] is True
+    assert all(g["frozen"] and g["num_constants"] == 0 for g in man["graphs"])
+    prompt = (PERIODIC * 6)[:40]
+    r = subprocess.run([sys.executable, "-c", ROUNDTRIP.replace("do_sample=True", "do_sample=False"), str(out),
+                        json.dumps(prompt)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert got["greedy"] == ref[0].tolist() and "round_b1_k2_greedy" in got["graphs"]
+
+
 def test_loaded_package_mutates_the_kv_cache_in_place(compiled, src):
     ld = aot.load_dir(compiled, tokenizer=False)
     params = specgraph.SamplingParams(0.0)

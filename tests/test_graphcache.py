@@ -1,19 +1,22 @@
 """The persistent graph cache (specgraph.graphcache), on a tiny Llama (prompt lookup K = 2: depths
-0 and 2, batch bucket 1, greedy and sampling: 4 packages per entry).
+0 and 2, batch bucket 1, greedy and sampling: 4 packages).
 
-- a first compile builds the entry (no JIT graph: Dynamo compiles nothing), and greedy output
+- a first compile builds the graphs (no JIT graph: Dynamo compiles nothing), and greedy output
   over several prompt lengths equals ``model.generate``; sampled output reproduces under a seed
-  and equals the JIT object's;
-- a second compile of the same model and settings loads the entry (builds nothing);
+  and equals the engine's eager round;
+- a second compile of the same model and settings loads them (builds nothing), and plain decoding
+  finds its depth-0 graphs among them;
 - a changed weight that the embedding-only fingerprint does not see, or a changed setting, is
-  another entry; served by the new entry, output equals the changed model's ``model.generate``
-  (negative control: serving the changed model from the old entry's packages would not);
-- a corrupt package is detected by its sha256, warned about and rebuilt.
+  another key; served by its own graphs, output equals the changed model's ``model.generate``
+  (negative control: serving the changed model from the first key's packages would not);
+- a corrupt package is detected by its sha256, warned about and rebuilt alone.
 """
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import specgraph
 from specgraph import graphcache
+from specgraph.aot import Package
 from specgraph.artifacts import model_fingerprint
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
@@ -76,13 +80,13 @@ def first(model, root):
     return fast
 
 
-def test_first_compile_builds_the_entry_and_generates_exactly(model, first, root):
+def test_first_compile_builds_the_graphs_and_generates_exactly(model, first, root):
     info = first.graph_cache
-    assert info["hit"] is False and info["built"] == info["loaded"] == 4
+    assert info["hit"] is False and info["built"] == info["loaded"] == info["frozen"] == 4
     assert first.graphs_built == {}  # no JIT graph
-    entry = json.loads((root / next(p.name for p in root.iterdir() if not p.name.startswith(".")) /
-                        graphcache.ENTRY).read_text())
-    assert sorted(g["name"] for g in entry["graphs"]) == sorted(g.name for g in first.graph_plan())
+    folder = Path(info["path"])
+    assert sorted(p.name for p in folder.glob("*.pt2")) == sorted(f"{g.name}.frozen.pt2" for g in first.graph_plan())
+    assert json.loads((folder / graphcache.KEY_FILE).read_text()) == graphcache.entry_key(first)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="specgraph")  # nothing is built inside generate
         assert_greedy_equal(model, first)
@@ -95,11 +99,14 @@ def test_first_compile_builds_the_entry_and_generates_exactly(model, first, root
     assert torch.equal(a, c)  # the packaged sampling round is the engine's round
 
 
-def test_second_compile_loads_the_entry(model, first, root):
+def test_second_compile_loads_the_graphs(model, first, root):
     again = specgraph.compile(model, "ngram", cache=root, **SETTINGS)
     assert again.graph_cache["hit"] is True and again.graph_cache["built"] == 0 and again.graph_cache["loaded"] == 4
     assert again.graph_cache["path"] == first.graph_cache["path"] and again.graphs_built == {}
     assert_greedy_equal(model, again)
+    plain = specgraph.compile(model, None, cache=root, **SETTINGS)  # depth 0, greedy and sampling: already there
+    assert plain.graph_cache["hit"] is True and plain.graph_cache["loaded"] == 2 and plain.graphs_built == {}
+    assert_greedy_equal(model, plain)
 
 
 def test_changed_weights_or_settings_are_another_entry(model, first, root):
@@ -108,15 +115,19 @@ def test_changed_weights_or_settings_are_another_entry(model, first, root):
         changed.model.layers[1].mlp.down_proj.weight.mul_(-1.0)
     # the embedding-only fingerprint cannot tell the two apart; the cache key can
     assert model_fingerprint(changed) == model_fingerprint(model)
-    assert graphcache.key_digest(graphcache.entry_key(first, ("greedy", "sample"))) != \
-        graphcache.key_digest(graphcache.entry_key(specgraph.compile(changed, "ngram", cache=False, **{**SETTINGS, "warmup": False}),
-                                                   ("greedy", "sample")))
+    assert graphcache.key_digest(graphcache.entry_key(first)) != graphcache.key_digest(
+        graphcache.entry_key(specgraph.compile(changed, "ngram", cache=False, **{**SETTINGS, "warmup": False})))
     fast = specgraph.compile(changed, "ngram", cache=root, **{**SETTINGS, "modes": ("greedy",)})
     assert fast.graph_cache["hit"] is False and fast.graph_cache["path"] != first.graph_cache["path"]
     assert_greedy_equal(changed, fast)
     # negative control: the first entry's frozen packages carry the first model's weights
     stale = specgraph.compile(changed, "ngram", cache=False, backend="eager", **{**SETTINGS, "warmup": False})
-    packages, _ = graphcache.open_entry(stale, first.graph_cache["path"], reserve=False)
+    folder = Path(first.graph_cache["path"])
+    tensors = dict(changed.named_parameters())
+    packages = {}
+    for record in folder.glob("round_*_greedy.frozen.json"):
+        spec = json.loads(record.read_text())["spec"]
+        packages[("round", spec["batch"], spec["depth"], "greedy")] = Package(folder / spec["file"], tensors, spec)
     stale.use_graphs(graphcache.CachedGraphs(packages))
     ids = prompts()[2]
     assert not torch.equal(stale.generate(ids, max_new_tokens=24), hf(changed, ids))
@@ -124,20 +135,17 @@ def test_changed_weights_or_settings_are_another_entry(model, first, root):
     assert longer.graph_cache["path"] not in (first.graph_cache["path"], fast.graph_cache["path"])
 
 
-def test_a_corrupt_entry_is_rebuilt_not_trusted(model, first, root, tmp_path):
-    import shutil
-    from pathlib import Path
-
+def test_a_corrupt_package_is_rebuilt_not_trusted(model, first, root, tmp_path):
     src = Path(first.graph_cache["path"])
     copy_root = tmp_path / "c"
     shutil.copytree(src, copy_root / src.name)
-    pkg = next((copy_root / src.name / "pt2").iterdir())
+    pkg = copy_root / src.name / "round_b1_k2_greedy.frozen.pt2"
     data = bytearray(pkg.read_bytes())
     data[len(data) // 2] ^= 0xFF
     pkg.write_bytes(bytes(data))
-    with pytest.warns(UserWarning, match="sha256"):
+    with pytest.warns(UserWarning, match="round_b1_k2_greedy.frozen.pt2 is not usable.*sha256"):
         fast = specgraph.compile(model, "ngram", cache=copy_root, **SETTINGS)
-    assert fast.graph_cache["hit"] is False and fast.graph_cache["built"] == 4
+    assert fast.graph_cache["hit"] is False and fast.graph_cache["built"] == 1 and fast.graph_cache["loaded"] == 4
     assert_greedy_equal(model, fast)
 
 

