@@ -657,6 +657,21 @@ def cmd_compile(args, formats=None) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    from specgraph import graphcache
+
+    root = graphcache.cache_root(args.dir)
+    if args.clear:
+        print(f"removed {graphcache.clear(args.dir) / 2**20:.0f} MiB of cached graphs from {root}")
+        return 0
+    rows = graphcache.entries(args.dir)
+    print(f"{root}: {len(rows)} folders, {sum(r['bytes'] for r in rows) / 2**20:.0f} MiB")
+    for r in rows:
+        print(f"  {os.path.basename(r['path'])}  {r['model_type']} {r['dtype']} torch {r['torch']}  "
+              f"{r['bytes'] / 2**20:.0f} MiB  {', '.join(r['graphs'])}")
+    return 0
+
+
 def cmd_export_onnx(args) -> int:
     return cmd_compile(args, formats=["onnx"])
 
@@ -1041,6 +1056,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_flags(pl)
     _add_quiet_flag(pl)
     pl.set_defaults(func=cmd_plan)
+
+    gc = sub.add_parser(
+        "cache", help="list (or --clear) the graph cache: the graphs specgraph.compile keeps on disk",
+        description="List the graph cache (one folder per model and build settings, one AOTInductor package per "
+                    "graph), or remove it with --clear.",
+        epilog=_examples("specgraph cache", "specgraph cache --clear"))
+    gc.add_argument("--dir", default=None, metavar="DIR",
+                    help="cache root (default: $SPECGRAPH_GRAPH_CACHE, else ~/.cache/specgraph/graphs)")
+    gc.add_argument("--clear", action="store_true", help="remove every cached graph")
+    gc.set_defaults(func=cmd_cache)
 
     from specgraph import train as _train  # light: heavy imports happen inside the command
 

@@ -266,3 +266,29 @@ def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progr
                 bar.advance(g.name, rec["seconds"])
     finally:
         bar.close()
+
+
+def entries(root=None) -> list[dict]:
+    """The cache's folders: {"path", "graphs" (names), "bytes", "model_type", "dtype", "torch"}."""
+    out = []
+    base = cache_root(root)
+    for folder in sorted(p for p in base.glob("*") if p.is_dir() and not p.name.startswith(".")):
+        try:
+            key = json.loads((folder / KEY_FILE).read_text())
+        except (OSError, ValueError):
+            key = {}
+        files = [p for p in folder.rglob("*") if p.is_file()]
+        out.append({"path": str(folder), "graphs": sorted(p.stem for p in folder.glob("*.pt2")),
+                    "bytes": sum(p.stat().st_size for p in files),
+                    "model_type": (key.get("config") or {}).get("model_type"), "dtype": key.get("dtype"),
+                    "torch": (key.get("versions") or {}).get("torch")})
+    return out
+
+
+def clear(root=None) -> int:
+    """Remove every cached graph under the cache root; returns the bytes freed."""
+    freed = 0
+    for e in entries(root):
+        freed += e["bytes"]
+        shutil.rmtree(e["path"], ignore_errors=True)
+    return freed

@@ -153,3 +153,19 @@ def test_unsupported_objects_use_the_jit(model, root):
     draft = specgraph.compile(model, tiny_llama(seed=2), cache=root, backend="eager", **{**SETTINGS, "modes": ("greedy",)})
     assert draft.graph_cache is None
     assert graphcache.unsupported(draft) is not None
+
+
+def test_cli_lists_and_clears_the_cache(first, root, tmp_path):
+    import subprocess
+    import sys
+
+    copy = tmp_path / "listed"
+    shutil.copytree(root, copy)
+    r = subprocess.run([sys.executable, "-m", "specgraph.cli", "cache", "--dir", str(copy)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "round_b1_k2_greedy.frozen" in r.stdout and "llama float32" in r.stdout.replace("torch.", "")
+    r = subprocess.run([sys.executable, "-m", "specgraph.cli", "cache", "--dir", str(copy), "--clear"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "removed" in r.stdout
+    assert graphcache.entries(copy) == []
