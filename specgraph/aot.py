@@ -64,11 +64,9 @@ import contextlib
 import json
 import platform
 import shutil
-import sys
 import tempfile
 import time
 import warnings
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -79,24 +77,20 @@ from specgraph.artifacts import (
     ArtifactError, FileVerifier, check_listed, check_versions, file_entry, fingerprint_mismatch, model_fingerprint,
     safe_path, verify_files, versions,
 )
-from specgraph.capture import kv_layout, new_kv_cache
-from specgraph.compiler import SpecGraphModel, prefill_logits, resolve_autotune
-from specgraph.graphset import GraphSpec, MODES, Progress, batch_buckets, example_inputs
+from specgraph.capture import kv_layout
+from specgraph.compiler import SpecGraphModel, resolve_autotune
+from specgraph.graphset import GraphSpec, MODES, Progress, batch_buckets
 from specgraph.graphset import plan as plan_graph_set
-from specgraph.onnx_export import _norm_filter
-from specgraph.warping import SamplingParams, check_sampling_params
+from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, width_range
+from specgraph.warping import check_sampling_params, normalize_filters
 
 FORMAT = "specgraph-aot"
 FORMAT_VERSION = 2  # 2: one round package per shape, the attended width a dynamic input
 MANIFEST = "manifest.json"
 MODEL_SUBDIR = "model"
-PT2_SUBDIR = "pt2"
 ONNX_SUBDIR = "onnx"
-CONST_PREFIX = "step.model."  # package constant names: the wrapper's .step (Step) -> .model (the HF model)
 FORMATS = ("pt2", "onnx")
 # what an AOTInductor package may contain (anything else, e.g. pickled weights, is refused)
-_PACKAGE_SUFFIXES = (".so", ".cpp", ".json", ".h", ".hpp", ".txt", ".o", ".ld", ".cubin", ".fatbin", ".spv")
-_PACKAGE_NAMES = {"archive_format", "archive_version", "version", "byteorder", "serialization_id", ".format_version"}
 _ISA_ORDER = ["DEFAULT", "AVX2", "AVX512"]
 PREFILL_CHUNK = 16  # prompt tokens per prefill package call (the last chunk is padded)
 WEIGHTS_FILE = "model.safetensors"
@@ -123,88 +117,6 @@ def plan_graphs(fast: SpecGraphModel, modes=MODES, prefill_chunk: int | None = P
     if unsupported:
         raise ValueError(f"graphs {unsupported[:3]} cannot be compiled ahead of time (only chain and tree rounds)")
     return out + plan_graph_set(fast, modes)
-
-
-def width_range(fast: SpecGraphModel) -> tuple[int, int]:
-    """The attended widths a round package accepts (its dynamic dimension): 2 .. slots - 1."""
-    return 2, fast.slots - 1
-
-
-# ----------------------------------------------------------------------------------------------
-# exported modules
-
-
-class _Graph(torch.nn.Module):
-    """A compiler round function as a module, so ``torch.export`` lifts the step's parameters
-    (``self.step``; constant names ``step.model.<HF name>``). Inputs: the attended slots [W],
-    then the round's inputs and caches."""
-
-    def __init__(self, fn, step):
-        super().__init__()
-        self.step = step
-        self._fn = fn
-
-    def forward(self, *args):
-        return self._fn(*args)
-
-
-class _PrefillChunk(torch.nn.Module):
-    """C prompt tokens per row into the cache: what :meth:`SpecGraphModel._prefill` does with the
-    eager model (query at position p sees the slots <= p; padding columns write to the scratch slot),
-    on the captured, pass-rewritten step at query length C. Inputs: ids, pos, valid [B, C], *kv.
-    The cache writes are the point: the logits are dead code."""
-
-    def __init__(self, step, slots, window):
-        super().__init__()
-        self.step, self.slots, self.window = step, slots, window
-
-    def forward(self, ids, pos, valid, *kv):
-        prefill_logits(self.step, ids, pos, valid, kv, self.slots, self.window)
-        return valid.sum(dim=1)
-
-
-def _module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
-    if g.kind == "prefill":
-        return _PrefillChunk(fast._step(g.batch, g.depth), fast.slots, fast.window)
-    params = SamplingParams(0.0) if g.mode == "greedy" else SamplingParams(1.0, *filters)
-    # the engine's round: its first input is the attended slots [W], W a dynamic dimension
-    if g.kind == "tree":
-        return _Graph(fast.tree_round_function(g.batch, params, g.tree), fast._step(g.batch, g.tree[0]))
-    return _Graph(fast.round_function(g.batch, params, g.depth), fast._step(g.batch, g.depth + 1))
-
-
-def _export(fast: SpecGraphModel, g: GraphSpec, module, args: list, kv: list):
-    """``torch.export`` of graph ``g``: a round's attended slots (its first input) have a dynamic
-    length W in :func:`width_range`; every other dimension is static."""
-    if g.kind == "prefill":
-        return torch.export.export(module, (*args, *kv), strict=False)
-    lo, hi = width_range(fast)
-    width = torch.export.Dim("width", min=lo, max=hi)
-    shapes = ({0: width},) + (None,) * (len(args) - 1 + len(kv))
-    return torch.export.export(module, (*args, *kv), dynamic_shapes={"args": shapes}, strict=False)
-
-
-def _inductor_configs(device, freeze: bool = False, autotune: bool = False) -> dict:
-    """AOTInductor settings. ``freeze``: the weights become constants inside the package's .so,
-    prepacked for the GEMMs (a private copy per package); else the .so holds code only and its
-    constants are bound at load time. ``autotune``: Inductor's GEMM template against the library
-    call per shape, as ``specgraph.compile(autotune=True)`` (pays with frozen weights)."""
-    configs = {"aot_inductor.package_constants_in_so": freeze, "freezing": freeze}
-    if autotune:
-        configs.update(max_autotune=True,
-                       max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
-    for quiet, value in (("autotune_num_choices_displayed", 0), ("max_autotune_report_choices_stats", False)):
-        if hasattr(torch._inductor.config, quiet):  # no autotune tables on the user's terminal
-            configs[quiet] = value
-    if device.type == "cpu":
-        configs["cpp.threads"] = 1  # as SpecGraphModel._compiled: tiny per-step kernels run single-threaded
-    return configs
-
-
-def _model_tensors(model) -> dict:
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(dict(model.named_buffers(remove_duplicate=False)))
-    return named
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,7 +337,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
     import specgraph
 
     top_vocab = model.get_output_embeddings().weight.shape[0]
-    top_k, top_p, min_p = _norm_filter(top_vocab, top_k, top_p, min_p)
+    top_k, top_p, min_p = normalize_filters(top_vocab, top_k, top_p, min_p)
     if "sample" in modes:
         check_sampling_params(1.0, top_k, top_p, min_p)
     fast = specgraph.compile(model, draft, num_speculative_tokens=num_speculative_tokens, tree=tree, backend="eager",
@@ -443,7 +355,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
     tok_files = _write_model_folder(model, tokenizer, out / MODEL_SUBDIR, weights="pt2" in formats)
     files: dict[str, dict] = {}
     graphs: list[dict] = []
-    tensors = _model_tensors(model)
+    tensors = model_tensors(model)
     emb_names = {"input": _tensor_name(tensors, model.get_input_embeddings().weight),
                  "output": _tensor_name(tensors, model.get_output_embeddings().weight)}
     weights_map = None
@@ -543,39 +455,6 @@ def _tree_json(tree):
     return [list(p) for p in tree]
 
 
-def package_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors=None, freeze: bool = False,
-                  autotune: bool = False) -> tuple[dict, set]:
-    """Export and package graph ``g`` into ``out/pt2/``; returns (manifest entry, the model tensors
-    the package binds at load time: none when ``freeze``, its weights are inside it)."""
-    tensors = _model_tensors(fast.model) if tensors is None else tensors
-    args, names = example_inputs(fast, g, vocab)
-    shapes = [list(a.shape) for a in args]
-    if g.kind != "prefill":  # the attended slots come first; traced at the engine's smallest width
-        args = [torch.arange(min(fast.min_attend, fast.slots - 1), device=device), *args]
-        names, shapes = ["cols", *names], [["width"], *shapes]
-    kv = new_kv_cache(fast.model, g.batch, fast.slots)
-    module = _module_for(fast, g, filters)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ep = _export(fast, g, module, args, kv)
-        rel = f"{PT2_SUBDIR}/{g.name}.pt2"
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(out / rel),
-                                                 inductor_configs=_inductor_configs(device, freeze, autotune))
-    del ep
-    # every constant an unfrozen package expects must be a tensor of the model (bound at load time)
-    fqns = [] if freeze else _open_package(out / rel).get_constant_fqns()
-    unbound = [n for n in fqns if not n.startswith(CONST_PREFIX) or n[len(CONST_PREFIX):] not in tensors]
-    if unbound:
-        raise RuntimeError(f"{g.name}: the package expects constants that are not model tensors: {unbound[:5]}")
-    return ({
-        "name": g.name, "file": rel, "kind": g.kind, "batch": g.batch, "width": g.width, "mode": g.mode,
-        "depth": g.depth, "tree": list(g.tree) if g.tree else None,
-        "inputs": [{"name": n, "shape": shape, "dtype": str(a.dtype).replace("torch.", "")}
-                   for n, shape, a in zip(names, shapes, args)],
-        "num_constants": len(fqns), "frozen": freeze,
-    }, {n[len(CONST_PREFIX):] for n in fqns})
-
-
 def _tensor_name(tensors: dict, t) -> str:
     return next(n for n, v in tensors.items() if v is t)
 
@@ -643,26 +522,6 @@ def _tokenizer_loader(tokenizer, mdir: Path) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # load
-
-
-def _check_package_archive(path: Path) -> None:
-    """Refuse an archive with anything but code, JSON and version files (no pickles, no weights)."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            names = z.namelist()
-    except zipfile.BadZipFile as e:
-        raise ArtifactError(f"{path}: not a readable AOTInductor package ({e})") from e
-    for n in names:
-        base = n.rsplit("/", 1)[-1]
-        if n.endswith("/") or base in _PACKAGE_NAMES or base.endswith(_PACKAGE_SUFFIXES):
-            continue
-        raise ArtifactError(f"{path}: unexpected member {n!r} in the package (only code and JSON are allowed)")
-
-
-def _open_package(path: Path):
-    _check_package_archive(Path(path))
-    # the C++ loader: unzips, dlopens the .so, reads JSON metadata (no Python unpickling anywhere)
-    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
 
 
 def is_compiled_dir(path) -> bool:
@@ -742,41 +601,6 @@ def check_manifest_paths(d: Path, man: dict) -> None:
                                     "remove it or recompile the directory")
 
 
-class Package:
-    """One loaded AOTInductor package with its constants bound to the model's tensors."""
-
-    def __init__(self, path: Path, tensors: dict, spec: dict):
-        self.path = path
-        t0 = time.perf_counter()
-        self.loader = _open_package(path)
-        fqns = [] if spec.get("frozen") else self.loader.get_constant_fqns()  # frozen: the weights are in the .so
-        try:
-            consts = {n: tensors[n[len(CONST_PREFIX):]] for n in fqns}
-        except KeyError as e:
-            raise ArtifactError(f"{path}: the package expects constant {e.args[0]!r}, which the model does not have") from e
-        # user_managed: the package reads the model's own tensors (no copy); the model outlives it
-        if consts:
-            try:
-                self.loader.load_constants(consts, False, True, True, False)
-            except TypeError:  # torch < 2.13: no allow_h2d_copy argument
-                self.loader.load_constants(consts, False, True, True)
-        self._consts = consts  # keep the bound tensors alive with the package
-        self.inputs = [(tuple(i["shape"]), getattr(torch, i["dtype"])) for i in spec["inputs"]]
-        self.name = spec["name"]
-        self.load_seconds = time.perf_counter() - t0
-
-    def __call__(self, *args):
-        n = len(self.inputs)
-        small = []
-        for a, (shape, dtype), i in zip(args[:n], self.inputs, range(n)):
-            fits = a.dim() == len(shape) and all(isinstance(d, str) or d == s for d, s in zip(shape, a.shape))
-            if not fits or a.dtype != dtype:
-                raise RuntimeError(f"{self.name}: input {i} is {tuple(a.shape)} {a.dtype}, the package was compiled "
-                                   f"for {shape} {dtype}")
-            small.append(a if a.is_contiguous() else a.contiguous())
-        return self.loader.boxed_run(small + list(args[n:]))  # caches are mutated in place
-
-
 class _PackagedGraphs(dict):
     """Stands in for ``SpecGraphModel._fns``: a compiled-graph lookup that the compiler did not
     find is answered from the directory's packages (loaded on first use). Shapes the directory
@@ -841,7 +665,7 @@ class LoadedDir:
         if "sample" not in s["modes"]:
             raise ArtifactError(f"{self.path}: no sampling graphs were compiled (modes {s['modes']}); "
                                 "recompile with --modes greedy,sample")
-        want = _norm_filter(self.manifest["model"]["vocab_size"], top_k, top_p, min_p)
+        want = normalize_filters(self.manifest["model"]["vocab_size"], top_k, top_p, min_p)
         baked = (s["sampling"]["top_k"], s["sampling"]["top_p"], s["sampling"]["min_p"])
         if want != baked:
             raise ArtifactError(f"{self.path}: the sampling graphs have top_k={baked[0]}, top_p={baked[1]}, "
@@ -871,7 +695,7 @@ class LoadedDir:
         if mode == "greedy":
             return self._package(spec), None
         vocab = self.manifest["model"]["vocab_size"]
-        want = _norm_filter(vocab, params.top_k, params.top_p, params.min_p)
+        want = normalize_filters(vocab, params.top_k, params.top_p, params.min_p)
         baked = (s["sampling"]["top_k"], s["sampling"]["top_p"], s["sampling"]["min_p"])
         if want != baked:
             return None, (f"the sampling graphs have top_k={baked[0]}, top_p={baked[1]}, min_p={baked[2]} baked in; "
@@ -1026,7 +850,7 @@ def load_dir(
     timings["verify_wait"] = time.perf_counter() - t1
     t1 = time.perf_counter()
     if tokenizer:
-        tok = _load_tokenizer(mdir, man)
+        tok = load_tokenizer(mdir, man)
     timings["tokenizer"] = time.perf_counter() - t1
     t1 = time.perf_counter()
     if weights_verifier is not None:
@@ -1062,7 +886,7 @@ def load_dir(
     if s["draft"] is not None and s["tree"] is None and s["k_ladder"]:
         fast.set_depths(s["k_ladder"])
     loaded = LoadedDir(path=d, manifest=man, fast=fast, model=model, tokenizer=tok, timings=timings)
-    loaded._tensors = tensors if tensors is not None else _model_tensors(model)
+    loaded._tensors = tensors if tensors is not None else model_tensors(model)
     loaded._specs = {(g["kind"], g["batch"], tuple(g["tree"]) if g["tree"] else g["depth"], g["mode"]): g
                      for g in man["graphs"]}
     loaded._prefill_specs = {g["batch"]: g for g in man["graphs"] if g["kind"] == "prefill"}
@@ -1082,7 +906,7 @@ def load_hf_model(path):
                        man["platform"].get("device", "cpu"))
 
 
-def _load_tokenizer(mdir: Path, man: dict):
+def load_tokenizer(mdir: Path, man: dict):
     tk = man.get("tokenizer") or {}
     if not tk.get("files"):
         return None

@@ -17,7 +17,6 @@ import json
 import threading
 from pathlib import Path
 
-from specgraph.onnx_export import _sha256 as sha256_file  # one hashing helper for both formats
 
 __all__ = [
     "ArtifactError", "sha256_file", "file_entry", "safe_path", "check_listed", "verify_files", "FileVerifier", "versions",
@@ -35,6 +34,15 @@ _CONFIG_VOLATILE = {
 
 class ArtifactError(ValueError):
     """A compiled directory cannot be used: missing/modified file, version or model mismatch."""
+
+
+def sha256_file(path) -> str:
+    """sha256 of a file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def file_entry(path) -> dict:

@@ -506,14 +506,14 @@ def _generate_onnx(args, man) -> int:
 
     import torch
 
-    from specgraph.aot import _load_tokenizer, check_model_files
+    from specgraph.aot import check_model_files, load_tokenizer
     from specgraph.onnx import OnnxSpecGenerator
 
     if args.stream or args.compare:
         _die("--runtime onnx does not stream and has no --compare table (use the AOT packages, or specgraph bench DIR)")
     d = Path(args.model)
     check_model_files(d, man, weights=False)
-    tok = _load_tokenizer(d / man["model"]["dir"], man)
+    tok = load_tokenizer(d / man["model"]["dir"], man)
     if tok is None:
         _die(f"{args.model} has no tokenizer files", 1)
     dev = man["platform"].get("device", "cpu")  # checked against --device above

@@ -149,7 +149,7 @@ def scaled_logits(logits, temperature):
     return logits.float() / temperature.view(-1, 1, 1)
 
 
-def _compact_path(kv, L, path_nodes, n, active, scratch):
+def compact_path(kv, L, path_nodes, n, active, scratch):
     """KV compaction after a tree round: the accepted nodes' K/V (slots L + path_nodes[:, j]) move
     to the contiguous slots L + j, so the committed prefix stays slot = position and the next
     round's rollback is again just not advancing L. Rows that stopped, and entries past the
@@ -930,7 +930,7 @@ class SpecGraphModel:
                 logits, None, ids, children, D, noise, 1.0 if noise is not None else 0.0,
                 params.top_k, params.top_p, params.min_p,
             )
-            _compact_path(kv, L, path_nodes, n, active, S - 1)
+            compact_path(kv, L, path_nodes, n, active, S - 1)
             if not hid:
                 return path_tokens, n, path_nodes
             # head drafters read the target's features along the accepted path [B, D+1, H]
@@ -959,7 +959,7 @@ class SpecGraphModel:
             S = self.slots
 
             def compact_fn(L, path_nodes, n, active, *kv):
-                _compact_path(kv, L, path_nodes, n, active, S - 1)
+                compact_path(kv, L, path_nodes, n, active, S - 1)
                 return n
 
             self._fns[key] = self._compiled("compact", compact_fn, weights=())

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from specgraph.aot import PT2_SUBDIR, Package, package_graph
+from specgraph.packages import PT2_SUBDIR, Package, package_graph
 from specgraph.artifacts import ArtifactError, canonical_config, file_entry, verify_files, versions
 from specgraph.freezing import weight_bytes
 from specgraph.graphset import MODES, Progress

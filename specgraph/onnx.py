@@ -51,12 +51,12 @@ from specgraph.compiler import (
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats
 from specgraph.onnx_export import (  # noqa: F401 (export_onnx: re-export)
-    FORMAT, FORMAT_VERSION, MANIFEST, _norm_filter, export_onnx, tree_graph_name,
+    FORMAT, FORMAT_VERSION, MANIFEST, export_onnx, tree_graph_name,
 )
 from specgraph.suffix import SuffixIndex
 from specgraph.trees import TreeSpec
 from specgraph.verify import chain_noise, exponential_noise, tree_noise
-from specgraph.warping import check_sampling_params
+from specgraph.warping import check_sampling_params, normalize_filters
 
 __all__ = ["OnnxSpecGenerator", "export_onnx", "load_manifest"]
 
@@ -241,7 +241,7 @@ class OnnxSpecGenerator:
             raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy)")
         if do_sample:
             check_sampling_params(temperature, top_k, top_p, min_p)
-            want = _norm_filter(self.vocab, top_k, top_p, min_p)
+            want = normalize_filters(self.vocab, top_k, top_p, min_p)
             s = man["sampling"]
             baked = (s["top_k"], s["top_p"], s["min_p"])
             if want != baked:

@@ -15,7 +15,7 @@
   :meth:`SpecGraphModel._tree_round_fn`: the topology is an input (``parents``), depth / ancestors /
   per-row children are built in the graph (:func:`specgraph.trees.tree_buffers`), then the tree
   mask (``compiler._tree_mask``), the step, :func:`specgraph.verify.verify_tree_with_noise` and the
-  KV compaction of the accepted path (``compiler._compact_path``) on the output copies of the cache.
+  KV compaction of the accepted path (``compiler.compact_path``) on the output copies of the cache.
   Plus ``verify_k0``: the plain step taken when the drafter proposed nothing.
 * a draft model (``specgraph.compile(target, draft=<smaller model>)``, chains): ``draft_q2`` /
   ``draft_q1`` (+ ``_sample``), the draft step of :meth:`SpecGraphModel._draft_fn` on the draft's
@@ -94,12 +94,13 @@ import torch
 
 from specgraph.capture import capture_step, kv_layout, new_kv_cache
 from specgraph.compiler import (
-    NGRAM_MAX, NGRAM_MIN, SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES, _compact_path, chain_logits, draft_logits,
+    NGRAM_MAX, NGRAM_MIN, SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES, compact_path, chain_logits, draft_logits,
     prefill_logits, scaled_logits, tree_logits,
 )
 from specgraph.passes import run_step_pipeline
 from specgraph.verify import verify_chain_with_noise, verify_tree_with_noise
-from specgraph.warping import warped_probs
+from specgraph.artifacts import sha256_file
+from specgraph.warping import normalize_filters, warped_probs
 
 FORMAT = "specgraph-onnx"
 FORMAT_VERSION = 1
@@ -181,7 +182,7 @@ class TreeRound(torch.nn.Module):
     (N nodes, at most C children per node, depth at most D): depth, ancestors and per-row children
     come from :func:`specgraph.trees.tree_buffers`, the mask from ``compiler._tree_mask``, then
     :func:`specgraph.verify.verify_tree_with_noise` and the KV compaction of the accepted path
-    (``compiler._compact_path``), applied to the output copies of the cache.
+    (``compiler.compact_path``), applied to the output copies of the cache.
 
     Inputs (flat): root, L, active, tree_tokens, parents, [accept_u, expo, temperature if
     sampling], *kv.  Outputs: tokens, num_emitted, path_nodes, logits, *new kv.
@@ -212,7 +213,7 @@ class TreeRound(torch.nn.Module):
                                                            (accept_u, expo), 1.0, self.top_k, self.top_p, self.min_p)
         else:
             tokens, n, path_nodes = verify_tree_with_noise(logits, None, ids, children, D, None, 0.0)
-        _compact_path(kv, L, path_nodes, n, active, S - 1)
+        compact_path(kv, L, path_nodes, n, active, S - 1)
         return (tokens, n, path_nodes, logits, *kv)
 
 
@@ -356,14 +357,6 @@ class _WeightStore:
         self.f.close()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ----------------------------------------------------------------------------------------------
 # export
 
@@ -391,14 +384,6 @@ def _export_env():
 
 def _value_info(names, tensors) -> list[dict]:
     return [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for n, t in zip(names, tensors)]
-
-
-def _norm_filter(vocab, top_k, top_p, min_p):
-    """Warping settings normalised so that no-op values compare equal (None = off)."""
-    top_k = None if top_k is None or top_k >= vocab else int(top_k)
-    top_p = None if top_p is None or top_p >= 1.0 else float(top_p)
-    min_p = None if min_p is None or min_p <= 0.0 else float(min_p)
-    return top_k, top_p, min_p
 
 
 def tree_graph_name(shape, sample: bool) -> str:
@@ -468,7 +453,7 @@ def export_onnx(
     out.mkdir(parents=True, exist_ok=True)
     p = next(model.parameters())
     vocab = model.get_output_embeddings().weight.shape[0]
-    top_k, top_p, min_p = _norm_filter(vocab, top_k, top_p, min_p)
+    top_k, top_p, min_p = normalize_filters(vocab, top_k, top_p, min_p)
     if "sample" in modes:  # validate through the library's own checks
         from specgraph.warping import check_sampling_params
         check_sampling_params(1.0, top_k, top_p, min_p)
@@ -605,7 +590,7 @@ def export_onnx(
     for g in graphs:  # after the weights file is complete: the checker reads external data
         onnx.checker.check_model(str(out / g["file"]))
     for f in [g["file"] for g in graphs] + ([WEIGHTS_FILE] if store is not None else []):
-        files[f] = {"sha256": _sha256(out / f), "bytes": (out / f).stat().st_size}
+        files[f] = {"sha256": sha256_file(out / f), "bytes": (out / f).stat().st_size}
 
     gc = model.generation_config
     import specgraph

@@ -119,3 +119,12 @@ def warped_probs(
         idx = logits.argmax(dim=-1, keepdim=True)
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter(-1, idx, 1.0)
     return torch.softmax(warp_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
+
+
+def normalize_filters(vocab: int, top_k, top_p, min_p) -> tuple:
+    """Warping settings normalised so that no-op values compare equal (None = off): top-k at or
+    above the vocabulary, top-p at or above 1, min-p at or below 0."""
+    top_k = None if top_k is None or top_k >= vocab else int(top_k)
+    top_p = None if top_p is None or top_p >= 1.0 else float(top_p)
+    min_p = None if min_p is None or min_p <= 0.0 else float(min_p)
+    return top_k, top_p, min_p

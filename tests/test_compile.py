@@ -595,7 +595,7 @@ def test_broken_tree_round_breaks_greedy_equality(monkeypatch, breakage):
     ref = hf_generate(model, ids, mask)
     fast = specgraph.compile(model, model, tree=TREE, backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
     assert torch.equal(sg_generate(fast, ids, mask), ref)  # control
-    name = "_tree_mask" if breakage is _siblings_visible else "_compact_path"
+    name = "_tree_mask" if breakage is _siblings_visible else "compact_path"
     monkeypatch.setattr(sg_compiler, name, breakage(getattr(sg_compiler, name)))
     fast = specgraph.compile(model, model, tree=TREE, backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
     out = sg_generate(fast, ids, mask)

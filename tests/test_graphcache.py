@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import specgraph
 from specgraph import graphcache
-from specgraph.aot import Package
+from specgraph.packages import Package
 from specgraph.artifacts import model_fingerprint
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")

@@ -1,0 +1,111 @@
+"""Imports flow one way: core math <- engine <- drafters <- policy <- API <- export / runtime / CLI.
+
+Every ``specgraph`` module is assigned a layer; a module may import its own layer and the layers
+below. ``KNOWN_UPWARD`` lists the edges the engine still has that go the other way (the compiled
+loop dispatches its drafters and policy itself); the test fails on any other upward import, on a
+new import cycle, and on importing another module's ``_private`` name, and it fails when a listed
+edge is gone (so the list only shrinks). The negative controls feed the checker a synthetic
+upward import and a private import.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "specgraph"
+
+LAYERS = [
+    ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset",
+              "kernels", "passes"}),
+    ("engine", {"compiler", "eager", "packages"}),
+    ("drafters", {"drafters", "suffix", "heads", "learned"}),
+    ("policy", {"adaptive", "planner"}),
+    ("api", {"api", "graphcache"}),
+    ("export", {"aot", "onnx_export", "onnx", "cli", "train"}),
+]
+LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
+
+# upward edges the engine still has: the loop in compiler.py calls the drafters and the adaptive
+# policy directly, and the eager fallback runs prompt lookup
+KNOWN_UPWARD = {
+    ("compiler", "adaptive"), ("compiler", "drafters"), ("compiler", "learned"), ("compiler", "planner"),
+    ("compiler", "suffix"), ("eager", "drafters"), ("learned", "planner"),
+}
+KNOWN_PRIVATE = {
+    ("learned", "compiler._step_mask"), ("learned", "compiler._tree_mask"), ("learned", "heads._TargetBound"),
+    ("learned", "planner._timed"),
+}
+
+
+def imports_of(source: str) -> tuple[set, set]:
+    """(specgraph modules imported, private names imported as module.name) of one module's source."""
+    mods, private = set(), set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "specgraph":
+            parts = node.module.split(".")
+            if len(parts) > 1:
+                mods.add(parts[1])
+                private |= {f"{parts[1]}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")}
+            else:
+                mods |= {a.name for a in node.names if a.name in LEVEL}
+        elif isinstance(node, ast.Import):
+            mods |= {a.name.split(".")[1] for a in node.names if a.name.startswith("specgraph.")}
+    return mods, private
+
+
+def violations(graph: dict) -> tuple[set, set]:
+    """(upward edges, private imports) of ``graph`` {module: (imports, private names)}."""
+    upward = {(m, d) for m, (deps, _) in graph.items() for d in deps if d in LEVEL and LEVEL[d] > LEVEL[m]}
+    private = {(m, p) for m, (_, names) in graph.items() for p in names}
+    return upward, private
+
+
+def module_graph() -> dict:
+    return {p.stem: imports_of(p.read_text()) for p in sorted(SRC.glob("*.py")) if p.stem != "__init__"}
+
+
+def test_every_module_has_a_layer():
+    assert sorted(set(module_graph()) - set(LEVEL)) == []
+
+
+def test_imports_flow_one_way():
+    upward, private = violations(module_graph())
+    assert upward - KNOWN_UPWARD == set(), "imports against the layer order"
+    assert private - KNOWN_PRIVATE == set(), "imports of another module's private names"
+    assert KNOWN_UPWARD - upward == set(), "an edge of KNOWN_UPWARD is gone: remove it from the list"
+    assert KNOWN_PRIVATE - private == set(), "an entry of KNOWN_PRIVATE is gone: remove it from the list"
+
+
+def test_no_import_cycle_outside_the_known_edges():
+    graph = {m: {d for d in deps if d in LEVEL and (m, d) not in KNOWN_UPWARD} for m, (deps, _) in module_graph().items()}
+    seen, stack = set(), []
+
+    def visit(m):
+        if m in stack:
+            pytest.fail(f"import cycle: {' -> '.join(stack[stack.index(m):] + [m])}")
+        if m in seen:
+            return
+        stack.append(m)
+        for d in graph.get(m, ()):
+            visit(d)
+        stack.pop()
+        seen.add(m)
+
+    for m in graph:
+        visit(m)
+
+
+@pytest.mark.parametrize("source, kind", [
+    ("from specgraph.cli import main", "upward"),          # the engine reaching the CLI
+    ("from specgraph.compiler import _dense", "private"),  # another module's private name
+])
+def test_the_checker_sees_a_violation(source, kind):
+    graph = module_graph()
+    graph["verify"] = imports_of(source)
+    upward, private = violations(graph)
+    if kind == "upward":
+        assert ("verify", "cli") in upward
+    else:
+        assert ("verify", "compiler._dense") in private
