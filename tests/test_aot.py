@@ -651,7 +651,7 @@ def test_export_onnx_dir_generates_with_onnx_runtime(src, tmp_path, flags, graph
 
 @pytest.mark.slow
 def test_smollm2_compile_then_generate_from_dir_equals_hf(tmp_path):
-    """SmolLM2: `specgraph compile default` (greedy, one width), then `generate DIR --compare` in a
+    """SmolLM2: `specgraph compile default` (greedy), then `generate DIR --compare` in a
     fresh process: greedy output equals HF generate; the cold start is reported."""
     out = tmp_path / "smol"
     r = cli("compile", "default", "--out", out, "--max-seq-len", 255, "--modes", "greedy", "--quiet", timeout=3000)
