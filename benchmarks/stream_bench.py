@@ -173,7 +173,7 @@ def main(argv=None) -> int:
                 out = run(ids, mask)
             dt = time.perf_counter() - t0
             new = out[:, ids.shape[1]:]
-            totals[m]["tokens"] += int(((new != pad) | (new == eos)).sum()) if args.batch > 1 else new.shape[1]
+            totals[m]["tokens"] += sum(len(new_tokens(out[b], ids.shape[1], eos)) for b in range(out.shape[0]))
             totals[m]["seconds"] += dt
             if fast is not None:
                 totals[m]["rounds"] += fast.stats.rounds
