@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from specgraph.packages import PT2_SUBDIR, Package, package_graph
+from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph
 from specgraph.artifacts import ArtifactError, canonical_config, file_entry, verify_files, versions
 from specgraph.freezing import weight_bytes
 from specgraph.graphset import MODES, Progress
@@ -202,13 +202,6 @@ def _write_atomic(path: Path, text: str, keep: bool = False) -> None:
     tmp.replace(path)
 
 
-def _tensors(fast) -> dict:
-    """The model's tensors by name: what an unfrozen package binds."""
-    named = dict(fast.model.named_parameters(remove_duplicate=False))
-    named.update(dict(fast.model.named_buffers(remove_duplicate=False)))
-    return named
-
-
 def _open_cached(fast, folder: Path, g, frozen: bool, digest: str) -> Package | None:
     """The cached package of graph ``g`` (frozen or not), checked and opened; None when there is
     none, or when it does not check out (it is then removed, with a warning)."""
@@ -221,7 +214,7 @@ def _open_cached(fast, folder: Path, g, frozen: bool, digest: str) -> Package | 
         if rec.get("format") != FORMAT or rec.get("key") != digest or rec["spec"]["name"] != g.name:
             raise ArtifactError(f"{record.name} was recorded for another graph or key")
         verify_files(folder, {package.name: rec["file"]})
-        return Package(package, _tensors(fast), rec["spec"])
+        return Package(package, model_tensors(fast.model), rec["spec"])
     except (ArtifactError, KeyError, OSError, ValueError, RuntimeError) as e:
         warnings.warn(f"specgraph: cached graph {package} is not usable ({e}); rebuilding it", stacklevel=4)
         record.unlink(missing_ok=True)
@@ -262,7 +255,7 @@ def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progr
                            "seconds": round(time.perf_counter() - t1, 2)}
                     built.replace(folder / spec["file"])
                 _write_atomic(folder / f"{stem}.json", json.dumps(rec, indent=1) + "\n")
-                packages[_slot(g)] = Package(folder / spec["file"], _tensors(fast), spec)
+                packages[_slot(g)] = Package(folder / spec["file"], model_tensors(fast.model), spec)
                 bar.advance(g.name, rec["seconds"])
     finally:
         bar.close()
