@@ -113,10 +113,11 @@ def plan_graphs(fast: SpecGraphModel, modes=MODES, prefill_chunk: int | None = P
     for B in batch_buckets(fast.max_batch_size):
         if prefill_chunk:
             out.append(GraphSpec("prefill", B, fast.slots, "greedy", min(prefill_chunk, fast.slots - 1)))
-    unsupported = [g.name for g in plan_graph_set(fast, modes) if g.kind not in ("round", "tree")]
+    engine = plan_graph_set(fast, modes)
+    unsupported = [g.name for g in engine if g.kind not in ("round", "tree")]
     if unsupported:
         raise ValueError(f"graphs {unsupported[:3]} cannot be compiled ahead of time (only chain and tree rounds)")
-    return out + plan_graph_set(fast, modes)
+    return out + engine
 
 
 # ----------------------------------------------------------------------------------------------

@@ -596,7 +596,7 @@ class SpecGraphModel:
     # ------------------------------------------------------------------------------------------
     # precompiled graphs
 
-    def use_graphs(self, graphs, prefill=None, complete: bool = False) -> None:
+    def use_graphs(self, graphs, prefill=None) -> None:
         """Serve rounds from graphs compiled elsewhere (AOTInductor packages: :mod:`specgraph.aot`).
 
         ``graphs`` is a mapping from graph keys (see :meth:`graph_key`) to callables taking the
@@ -604,14 +604,11 @@ class SpecGraphModel:
         :meth:`_round_fn` / :meth:`_tree_round_fn`; lookups it does not
         answer (``key not in graphs``) are compiled here as usual, so a mapping may also raise from
         ``__contains__`` to forbid compiling. ``prefill(ids, pos, valid, *kv)`` (ids, pos [B, P]
-        long, valid [B, P] bool) replaces the eager prompt prefill of the target. ``complete``:
-        the mapping serves the whole graph set (:meth:`graph_plan`), as after :meth:`warmup`: a
-        graph built here later warns.
+        long, valid [B, P] bool) replaces the eager prompt prefill of the target.
         """
         self._fns = graphs
         self._bound = {}
         self._prefill_graph = prefill
-        self._warm = self._warm or complete
 
     def graph_key(self, kind: str, batch: int, params: SamplingParams, width: int | None, shape) -> tuple:
         """The key :meth:`use_graphs` mappings are asked for: ``kind`` "round" (``shape`` = chain
@@ -883,7 +880,7 @@ class SpecGraphModel:
         """The uncompiled chain round of :meth:`_round_fn`, taking the attended slots [W] (or an int
         width: a graph for that width only) first."""
         S, window = self.slots, self.window
-        use_q = self.draft in ("model", *learned.LEARNED) and not params.greedy and k > 0
+        use_q = self.draft_q and not params.greedy and k > 0
         step = self._step(B, k + 1)
         hid = self.learned is not None
 
