@@ -74,8 +74,8 @@ from types import SimpleNamespace
 import torch
 
 from specgraph.artifacts import (
-    ArtifactError, FileVerifier, check_listed, check_versions, file_entry, fingerprint_mismatch, model_fingerprint,
-    safe_path, verify_files, versions,
+    ArtifactError, FileVerifier, check_listed, check_versions, cpu_capability, file_entry, fingerprint_mismatch,
+    model_fingerprint, safe_path, verify_files, versions,
 )
 from specgraph.capture import kv_layout
 from specgraph.compiler import SpecGraphModel, resolve_autotune
@@ -142,13 +142,6 @@ def _write_model_folder(model, tokenizer, dst: Path, weights: bool) -> list[str]
     if weights:
         save_model(model, str(dst / WEIGHTS_FILE))  # tied tensors stored once
     return tok_files
-
-
-def _cpu_capability() -> str:
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except Exception:  # noqa: BLE001 - older builds
-        return "DEFAULT"
 
 
 def _parse_depths(depths) -> list[int]:
@@ -402,7 +395,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
         "format_version": FORMAT_VERSION,
         "created_unix": int(time.time()),
         "versions": {**versions(), "python": platform.python_version()},
-        "platform": {"machine": platform.machine(), "system": platform.system(), "cpu_capability": _cpu_capability(),
+        "platform": {"machine": platform.machine(), "system": platform.system(), "cpu_capability": cpu_capability(),
                      "device": device.type},
         "source": source,
         "model": {
@@ -562,7 +555,7 @@ def read_manifest(path) -> dict:
     plat = man["platform"]
     if plat.get("machine") != platform.machine():
         raise ArtifactError(f"{mpath}: compiled for {plat.get('machine')}, this machine is {platform.machine()}")
-    isa, have = plat.get("cpu_capability", "DEFAULT"), _cpu_capability()
+    isa, have = plat.get("cpu_capability", "DEFAULT"), cpu_capability()
     if isa in _ISA_ORDER and have in _ISA_ORDER and _ISA_ORDER.index(have) < _ISA_ORDER.index(isa):
         raise ArtifactError(f"{mpath}: packages were built for {isa} CPUs, this CPU supports {have}; recompile here")
     return man

@@ -154,14 +154,57 @@ def canonical_config(model_or_config) -> dict:
     return {k: v for k, v in cfg.items() if k not in _CONFIG_VOLATILE}
 
 
-def _tensor_sha256(t) -> str:
+def _tensor_bytes(t) -> memoryview:
+    """The bytes of tensor ``t`` (on the CPU, contiguous; no copy when it already is)."""
     import torch
 
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(t.numpy().data).hexdigest()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def _tensor_sha256(t) -> str:
+    return hashlib.sha256(_tensor_bytes(t)).hexdigest()
+
+
+def weights_sha256(model) -> str:
+    """sha256 over every distinct parameter and buffer of ``model``: name, dtype, shape and bytes
+    (a tied tensor's bytes once). Unlike :func:`model_fingerprint`, it sees every weight."""
+    h = hashlib.sha256()
+    seen = set()
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, t in sorted(named, key=lambda nt: nt[0]):
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if ident not in seen:
+            seen.add(ident)
+            h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+        if name:
+            return name
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels use here (``DEFAULT``, ``AVX2``, ``AVX512``, ...)."""
+    import torch
+
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - older builds
+        return "DEFAULT"
 
 
 def model_fingerprint(model, embeddings_sha256: str | None = None) -> dict:

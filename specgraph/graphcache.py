@@ -46,11 +46,13 @@ from pathlib import Path
 
 import torch
 
-from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph
-from specgraph.artifacts import ArtifactError, canonical_config, file_entry, verify_files, versions
+from specgraph.artifacts import (
+    ArtifactError, canonical_config, cpu_capability, cpu_model, file_entry, verify_files, versions, weights_sha256,
+)
 from specgraph.freezing import weight_bytes
 from specgraph.graphset import MODES, Progress
 from specgraph.models import cache_dir
+from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph
 
 FORMAT = "specgraph-graph-cache"
 FORMAT_VERSION = 2
@@ -80,36 +82,8 @@ def unsupported(fast) -> str | None:
     return None
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def weights_sha256(model) -> str:
-    """sha256 over every distinct parameter and buffer of ``model``: name, dtype, shape and bytes."""
-    h = hashlib.sha256()
-    seen = set()
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    for name, t in sorted(named, key=lambda nt: nt[0]):
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        if ident in seen:  # a tied tensor: its name is hashed, its bytes were
-            continue
-        seen.add(ident)
-        data = t.detach().to("cpu").contiguous().reshape(-1)
-        h.update(memoryview(data.view(torch.uint8).numpy()))
-    return h.hexdigest()
-
-
 def entry_key(fast) -> dict:
     """Everything a cached graph depends on beyond its name (see the module docstring)."""
-    cap = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")()
     return {
         "format_version": FORMAT_VERSION,
         "weights_sha256": weights_sha256(fast.model),
@@ -119,7 +93,7 @@ def entry_key(fast) -> dict:
         "window": fast.window,
         "autotune": fast.autotune,
         "versions": {**versions(), "python": platform.python_version()},
-        "machine": {"cpu": cpu_model(), "isa": cap, "arch": platform.machine(), "device": "cpu"},
+        "machine": {"cpu": cpu_model(), "isa": cpu_capability(), "arch": platform.machine(), "device": "cpu"},
     }
 
 

@@ -39,6 +39,7 @@ import sys
 
 import torch
 
+from specgraph.artifacts import cpu_model
 from specgraph.heads import EagleHead, HeadMismatchError, MedusaHeads, _TargetBound, find_head, load_head, model_fingerprint
 from specgraph.verify import exponential_noise
 from specgraph.warping import SamplingParams, warped_probs
@@ -228,17 +229,9 @@ def measure_compiled_tree_costs(model, head, query_sizes, head_rows, *, backend:
 def _machine(device: torch.device) -> str:
     """What the cost of a graph on ``device`` depends on besides the model: the GPU, or the
     processor and the threads."""
-    import platform
-
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    name = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"cpu:{name}:{torch.get_num_threads()} threads"
+    return f"cpu:{cpu_model()}:{torch.get_num_threads()} threads"
 
 
 def cached_tree_costs(fields: dict, measure) -> tuple[dict, bool]:
