@@ -81,7 +81,7 @@ from specgraph.capture import kv_layout
 from specgraph.compiler import SpecGraphModel, resolve_autotune
 from specgraph.graphset import GraphSpec, MODES, Progress, batch_buckets
 from specgraph.graphset import plan as plan_graph_set
-from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, width_range
+from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key, width_range
 from specgraph.warping import check_sampling_params, normalize_filters
 
 FORMAT = "specgraph-aot"
@@ -680,7 +680,7 @@ class LoadedDir:
             return None, f"graph {key[0]!r} is not in the compiled directory"
         _, B, params, width, shape = key
         mode = "greedy" if params.greedy else "sample"
-        spec = self._specs.get((kind, B, tuple(shape) if kind == "tree" else shape, mode))
+        spec = self._specs.get(package_key(kind, B, shape, mode))
         what = f"{kind} batch={B} {'depth' if kind == 'round' else 'tree'}={shape} {mode}"
         if spec is None:
             if mode not in s["modes"]:
@@ -881,7 +881,7 @@ def load_dir(
         fast.set_depths(s["k_ladder"])
     loaded = LoadedDir(path=d, manifest=man, fast=fast, model=model, tokenizer=tok, timings=timings)
     loaded._tensors = tensors if tensors is not None else model_tensors(model)
-    loaded._specs = {(g["kind"], g["batch"], tuple(g["tree"]) if g["tree"] else g["depth"], g["mode"]): g
+    loaded._specs = {package_key(g["kind"], g["batch"], g["tree"] or g["depth"], g["mode"]): g
                      for g in man["graphs"]}
     loaded._prefill_specs = {g["batch"]: g for g in man["graphs"] if g["kind"] == "prefill"}
     # Hooks into the compiler (see the report in the module docstring): compiled-graph lookups are

@@ -52,7 +52,7 @@ from specgraph.artifacts import (
 from specgraph.freezing import weight_bytes
 from specgraph.graphset import MODES, Progress
 from specgraph.models import cache_dir
-from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph
+from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key
 
 FORMAT = "specgraph-graph-cache"
 FORMAT_VERSION = 2
@@ -108,7 +108,7 @@ class CachedGraphs(dict):
 
     def __init__(self, packages: dict):
         super().__init__()
-        self.packages = packages  # (kind, batch, depth or tree shape, mode) -> Package
+        self.packages = packages  # packages.package_key(...) -> Package
 
     def __contains__(self, key) -> bool:
         if dict.__contains__(self, key):
@@ -118,8 +118,7 @@ class CachedGraphs(dict):
         kind, batch, params, _, shape = key
         if not params.greedy and (params.top_k, params.top_p, params.min_p) != (None, None, None):
             return False
-        pkg = self.packages.get((kind, batch, tuple(shape) if kind == "tree" else shape,
-                                 "greedy" if params.greedy else "sample"))
+        pkg = self.packages.get(package_key(kind, batch, shape, "greedy" if params.greedy else "sample"))
         if pkg is None:
             return False
         self[key] = pkg
@@ -148,7 +147,7 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None) -> dict |
         if pkg is None:
             missing.append((g, frozen))
         else:
-            packages[_slot(g)] = pkg
+            packages[_package_key(g)] = pkg
     if missing and not _room_for(fast, folder, sum(f for _, f in missing)):
         return None
     if missing:
@@ -159,8 +158,8 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None) -> dict |
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _slot(g) -> tuple:
-    return (g.kind, g.batch, g.tree if g.kind == "tree" else g.depth, g.mode)
+def _package_key(g) -> tuple:
+    return package_key(g.kind, g.batch, g.tree if g.kind == "tree" else g.depth, g.mode)
 
 
 def _stem(g, frozen: bool) -> str:
@@ -229,7 +228,7 @@ def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progr
                            "seconds": round(time.perf_counter() - t1, 2)}
                     built.replace(folder / spec["file"])
                 _write_atomic(folder / f"{stem}.json", json.dumps(rec, indent=1) + "\n")
-                packages[_slot(g)] = Package(folder / spec["file"], model_tensors(fast.model), spec)
+                packages[_package_key(g)] = Package(folder / spec["file"], model_tensors(fast.model), spec)
                 bar.advance(g.name, rec["seconds"])
     finally:
         bar.close()

@@ -28,6 +28,12 @@ PT2_SUBDIR = "pt2"
 CONST_PREFIX = "step.model."  # package constant names: the wrapper's .step (Step) -> .model (the HF model)
 _PACKAGE_NAMES = {"archive_format", "archive_version", "version", "byteorder", "serialization_id", ".format_version"}
 _PACKAGE_SUFFIXES = (".so", ".cpp", ".json", ".h", ".hpp", ".txt", ".o", ".ld", ".cubin", ".fatbin", ".spv")
+def package_key(kind: str, batch: int, shape, mode: str) -> tuple:
+    """How a loaded package is looked up: (kind, batch bucket, chain depth or tree shape (N, C, D)
+    as a tuple, "greedy" / "sample"), from an engine graph key, a GraphSpec or a manifest entry."""
+    return (kind, batch, tuple(shape) if kind == "tree" else shape, mode)
+
+
 def width_range(fast: SpecGraphModel) -> tuple[int, int]:
     """The attended widths a round package accepts (its dynamic dimension): 2 .. slots - 1."""
     return 2, fast.slots - 1

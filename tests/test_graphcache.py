@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import specgraph
 from specgraph import graphcache
-from specgraph.packages import Package
+from specgraph.packages import Package, package_key
 from specgraph.artifacts import model_fingerprint
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
@@ -127,7 +127,7 @@ def test_changed_weights_or_settings_are_another_entry(model, first, root):
     packages = {}
     for record in folder.glob("round_*_greedy.frozen.json"):
         spec = json.loads(record.read_text())["spec"]
-        packages[("round", spec["batch"], spec["depth"], "greedy")] = Package(folder / spec["file"], tensors, spec)
+        packages[package_key("round", spec["batch"], spec["depth"], "greedy")] = Package(folder / spec["file"], tensors, spec)
     stale.use_graphs(graphcache.CachedGraphs(packages))
     ids = prompts()[2]
     assert not torch.equal(stale.generate(ids, max_new_tokens=24), hf(changed, ids))
