@@ -29,8 +29,11 @@ import specgraph
 from specgraph.models import load_model
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stream_bench import PROMPTS, chat_ids, cpu_name, write_json  # noqa: E402
 from batch_bench import _source_commit  # noqa: E402
+from generate_bench import write_json  # noqa: E402
+from stream_bench import chat_ids  # noqa: E402
+from stream_prompts import PROMPTS  # noqa: E402
+from width_profile import cpu_name  # noqa: E402
 
 EXECUTORS = ("jit frozen", "jit unfrozen", "aot frozen (graph cache)", "aot unfrozen (compile_dir)", "onnx runtime")
 
