@@ -405,6 +405,26 @@ def assemble_output(input_ids, new: list[list[int]], pad_token_id) -> torch.Tens
     return torch.cat([input_ids, out], dim=1)
 
 
+def inductor_settings(device, freeze: bool, autotune: bool) -> dict:
+    """The Inductor config of every graph specgraph builds, JIT or AOT. ``freeze``: the weights
+    become constants, prepacked for the GEMMs. ``autotune``: Inductor benchmarks its own GEMM
+    template against the library call per shape (on an AVX-512 CPU its micro-kernel beats MKL for
+    the few-row GEMMs of a decode round, ``benchmarks/autotune_bench.py``; ~2x the compile time,
+    and it pays with frozen weights only). No autotune tables or stats reach the user's terminal.
+    On CPU the per-step elementwise kernels are tiny: one OpenMP region each costs more than it
+    saves, so they run single-threaded (GEMMs still use all threads)."""
+    config = {"freezing": freeze}
+    if autotune:
+        config.update(max_autotune=True,
+                      max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
+    for quiet, value in (("autotune_num_choices_displayed", 0), ("max_autotune_report_choices_stats", False)):
+        if hasattr(torch._inductor.config, quiet):
+            config[quiet] = value
+    if device.type == "cpu":
+        config["cpp.threads"] = 1
+    return config
+
+
 def resolve_autotune(autotune, model) -> bool:
     """``compile(autotune=...)``: True / False as given; ``"auto"``: a CPU model of at least
     AUTOTUNE_MIN_PARAMS parameters."""
@@ -780,25 +800,12 @@ class SpecGraphModel:
         fn.__code__ = fn.__code__.replace(co_name=graph)
         if self.backend == "eager":
             return self._counted(graph, fn, lambda: None)
-        # freezing: weights become constants of the graph (prepacked for MKL on CPU: GEMV ~25% faster
-        # on SmolLM2). On CPU, per-step elementwise kernels are tiny: one OpenMP region each costs
-        # more than it saves, so they run single-threaded (GEMMs still use all threads).
-        # Applied as a config patch around every call: torch.compile(options=...) ignores
+        # freezing (prepacked weights: GEMV ~25% faster on SmolLM2), autotuning and threads: see
+        # inductor_settings. Applied as a config patch around every call: torch.compile(options=...) ignores
         # "freezing", and a recompile must see the same settings as the first compile.
-        config = {"freezing": self.freeze}
         device = next(self.model.parameters()).device
-        if self.autotune:
-            # Inductor benchmarks its own GEMM template against the library call per shape: on an
-            # AVX-512 CPU its micro-kernel beats MKL for the few-row GEMMs of a decode round
-            # (benchmarks/autotune_bench.py), at ~2x the compile time
-            config.update(max_autotune=True,
-                          max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
-        for quiet in ("autotune_num_choices_displayed", "max_autotune_report_choices_stats"):
-            if hasattr(torch._inductor.config, quiet):  # no autotune tables or stats on the user's terminal
-                config[quiet] = 0 if quiet == "autotune_num_choices_displayed" else False
+        config = inductor_settings(device, self.freeze, self.autotune)
         self.inductor_config = dict(config)  # what every compiled graph of this object is built with
-        if device.type == "cpu":
-            config["cpp.threads"] = 1
 
         def decide_freezing():
             # at the first call, when the graph is compiled: objects that never run a shape reserve nothing

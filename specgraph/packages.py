@@ -20,7 +20,7 @@ import torch
 
 from specgraph.artifacts import ArtifactError
 from specgraph.capture import new_kv_cache
-from specgraph.compiler import SpecGraphModel, prefill_logits
+from specgraph.compiler import SpecGraphModel, inductor_settings, prefill_logits
 from specgraph.graphset import GraphSpec, example_inputs
 from specgraph.warping import SamplingParams
 
@@ -93,17 +93,8 @@ def inductor_configs(device, freeze: bool = False, autotune: bool = False) -> di
     """AOTInductor settings. ``freeze``: the weights become constants inside the package's .so,
     prepacked for the GEMMs (a private copy per package); else the .so holds code only and its
     constants are bound at load time. ``autotune``: Inductor's GEMM template against the library
-    call per shape, as ``specgraph.compile(autotune=True)`` (pays with frozen weights)."""
-    configs = {"aot_inductor.package_constants_in_so": freeze, "freezing": freeze}
-    if autotune:
-        configs.update(max_autotune=True,
-                       max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
-    for quiet, value in (("autotune_num_choices_displayed", 0), ("max_autotune_report_choices_stats", False)):
-        if hasattr(torch._inductor.config, quiet):  # no autotune tables on the user's terminal
-            configs[quiet] = value
-    if device.type == "cpu":
-        configs["cpp.threads"] = 1  # as SpecGraphModel._compiled: tiny per-step kernels run single-threaded
-    return configs
+    call per shape; otherwise as the JIT (:func:`specgraph.compiler.inductor_settings`)."""
+    return {**inductor_settings(device, freeze, autotune), "aot_inductor.package_constants_in_so": freeze}
 
 
 def model_tensors(model) -> dict:
