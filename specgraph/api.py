@@ -2,15 +2,9 @@
 graph set served from the persistent graph cache (:mod:`specgraph.graphcache`) when it can be."""
 from __future__ import annotations
 
-import os
-
 from specgraph import compiler, graphcache
 from specgraph.compiler import SpecGraphModel
 from specgraph.graphset import MODES
-
-ENV_CACHE = "SPECGRAPH_GRAPH_CACHE"
-_OFF = ("0", "off", "false", "no")
-
 
 def compile(
     model,
@@ -36,20 +30,10 @@ def compile(
                             plan=plan, autotune=autotune, tree_nodes=tree_nodes, warmup=False)
     if not (compiler.WARMUP_BY_DEFAULT if warmup is None else warmup) or fast.fallback_reason is not None:
         return fast
-    root = _cache_root(cache)
-    if root is not False:
-        fast.graph_cache = graphcache.load_or_build(fast, modes, progress=progress, root=root)
+    if graphcache.enabled(cache):
+        fast.graph_cache = graphcache.load_or_build(fast, modes, progress=progress, root=graphcache.root_of(cache))
     fast.warmup(modes, progress=progress and fast.graph_cache is None)
     return fast
-
-
-def _cache_root(cache):
-    """False (no cache), None (the default root) or a folder, from ``cache=`` and the environment."""
-    if cache is False or cache is None and os.environ.get(ENV_CACHE, "").lower() in _OFF:
-        return False
-    if cache is None or cache is True:
-        return None
-    return cache
 
 
 compile.__doc__ = compiler.compile.__doc__ + """

@@ -59,14 +59,28 @@ FORMAT_VERSION = 2
 KEY_FILE = "key.json"
 ENV_ROOT = "SPECGRAPH_GRAPH_CACHE"
 DISK_MARGIN_BYTES = 1 << 30  # left free on the cache's disk
+_OFF = ("0", "off", "false", "no")  # values of $SPECGRAPH_GRAPH_CACHE that turn the default off
 
 
 def cache_root(root=None) -> Path:
     """Where entries live: ``root``, else ``$SPECGRAPH_GRAPH_CACHE``, else ``$SPECGRAPH_CACHE/graphs``."""
     if root is not None:
         return Path(root).expanduser()
-    env = os.environ.get(ENV_ROOT)
-    return Path(env).expanduser() if env else cache_dir() / "graphs"
+    env = os.environ.get(ENV_ROOT, "")
+    return Path(env).expanduser() if env and env.lower() not in _OFF else cache_dir() / "graphs"
+
+
+def enabled(cache) -> bool:
+    """Whether ``compile(cache=...)`` uses the cache: ``False`` never; ``None`` (the default) unless
+    ``$SPECGRAPH_GRAPH_CACHE`` is off; ``True`` or a folder always."""
+    if cache is None:
+        return os.environ.get(ENV_ROOT, "").lower() not in _OFF
+    return cache is not False
+
+
+def root_of(cache):
+    """The ``root`` :func:`load_or_build` takes for ``compile(cache=...)``: a folder as given, else None."""
+    return None if cache is None or cache is True else cache
 
 
 def unsupported(fast) -> str | None:
