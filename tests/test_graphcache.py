@@ -169,3 +169,13 @@ def test_cli_lists_and_clears_the_cache(first, root, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "removed" in r.stdout
     assert graphcache.entries(copy) == []
+
+
+def test_cache_switch_and_root(monkeypatch, tmp_path):
+    monkeypatch.setenv(graphcache.ENV_ROOT, "off")
+    assert not graphcache.enabled(None) and not graphcache.enabled(False)
+    assert graphcache.enabled(True) and graphcache.enabled(tmp_path)
+    assert graphcache.cache_root(graphcache.root_of(True)).name == "graphs"  # the default folder, not "off"
+    monkeypatch.setenv(graphcache.ENV_ROOT, str(tmp_path))
+    assert graphcache.enabled(None) and graphcache.cache_root(graphcache.root_of(None)) == tmp_path
+    assert graphcache.cache_root(graphcache.root_of(tmp_path / "x")) == tmp_path / "x"
