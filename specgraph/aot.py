@@ -82,7 +82,7 @@ from specgraph.compiler import SpecGraphModel, resolve_autotune
 from specgraph.graphset import GraphSpec, MODES, Progress, batch_buckets
 from specgraph.graphset import plan as plan_graph_set
 from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key, width_range
-from specgraph.warping import check_sampling_params, normalize_filters
+from specgraph.warping import SamplingParams, check_sampling_params, normalize_filters
 
 FORMAT = "specgraph-aot"
 FORMAT_VERSION = 2  # 2: one round package per shape, the attended width a dynamic input
@@ -679,6 +679,9 @@ class LoadedDir:
         if kind not in ("round", "tree"):
             return None, f"graph {key[0]!r} is not in the compiled directory"
         _, B, params, width, shape = key
+        if not isinstance(params, SamplingParams):
+            return None, ("the compiled directory has no graphs with logits processors or score outputs "
+                          f"({', '.join(params[1].logits.names()) if params[1].logits else 'scores'})")
         mode = "greedy" if params.greedy else "sample"
         spec = self._specs.get(package_key(kind, B, shape, mode))
         what = f"{kind} batch={B} {'depth' if kind == 'round' else 'tree'}={shape} {mode}"

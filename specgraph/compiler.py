@@ -18,6 +18,7 @@ import copy
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -28,12 +29,27 @@ from specgraph.eager import GenerationStats as Stats
 from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
 from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set
 from specgraph.suffix import SuffixIndex
+from specgraph.generation import GenerationRequest, ScoreLog, StepStreamer, UnsupportedSetting, resolve, stop_at
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
+from specgraph.processors import LogitsSpec, chain_paths, process_logits, tree_paths
 from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
 from specgraph.verify import chain_noise, exponential_noise, tree_noise, verify_chain_with_noise, verify_tree_with_noise
-from specgraph.warping import SamplingParams, warped_probs
+from specgraph.warping import SamplingParams, normalize_filters, warped_probs
 
 NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class RoundExtras:
+    """What a round does besides verifying: apply logits processors (``logits``) and return the
+    processed and raw logits of its positions (``scores``). Part of a round graph's key."""
+
+    logits: LogitsSpec | None = None
+    scores: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.logits is not None or self.scores
 
 
 def _bucket(b: int, max_batch: int) -> int:
@@ -703,7 +719,7 @@ class SpecGraphModel:
 
     def _build(self, g: GraphSpec, vocab: int, width: int) -> None:
         """Run graph ``g`` once on placeholder inputs (its first call builds it)."""
-        params = SamplingParams(0.0) if g.mode == "greedy" else SamplingParams(1.0)
+        params = SamplingParams(0.0) if g.mode == "greedy" else self.default_sampling()
         if g.kind == "learned":  # a two-token generation runs the head's graphs for this batch and mode
             stats = self.stats
             ids = torch.full((g.batch, 4), 1, dtype=torch.long, device=next(self.model.parameters()).device)
@@ -868,92 +884,140 @@ class SpecGraphModel:
         state = {"fn": first_call}
         return lambda *args: state["fn"](*args)
 
-    @staticmethod
-    def _graph_params(params: SamplingParams) -> SamplingParams:
-        """Sampling rounds take the temperature as an input: graphs are keyed without it."""
-        return params if params.greedy else SamplingParams(1.0, params.top_k, params.top_p, params.min_p)
+    def _graph_params(self, params: SamplingParams) -> SamplingParams:
+        """Sampling rounds take the temperature as an input: graphs are keyed without it, and with
+        no-op filters (top-k at or above the vocabulary, top-p 1, min-p 0) as None."""
+        if params.greedy:
+            return params
+        return SamplingParams(1.0, *normalize_filters(self.vocab, params.top_k, params.top_p, params.min_p))
 
-    def _round_fn(self, B: int, params: SamplingParams, width: int, k: int):
+    @property
+    def vocab(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def default_sampling(self) -> SamplingParams:
+        """The graph settings of a plain ``do_sample=True`` request on this model: its
+        ``generation_config`` and transformers' defaults (top-k 50 unless the model says otherwise),
+        at temperature 1 (an input). What the warmed-up and cached sampling graphs are built for."""
+        ids = torch.ones(1, 1, dtype=torch.long)
+        try:
+            req = resolve(self.model, ids, do_sample=True, max_new_tokens=1, vocab=self.vocab)
+        except (UnsupportedSetting, ValueError):  # the model's own defaults are refused: requests say why
+            return SamplingParams(1.0)
+        return self._graph_params(req.params)
+
+    def _key_params(self, params: SamplingParams, extras: "RoundExtras | None") -> object:
+        """A round graph's settings slot in its key: the graph's sampling settings, paired with the
+        round's extras (logits processors, score outputs) when it has any."""
+        params = self._graph_params(params)
+        return params if extras is None or not extras.any else (params, extras)
+
+    def _round_fn(self, B: int, params: SamplingParams, width: int, k: int, extras: "RoundExtras | None" = None):
         """One verification round over k given drafts (k = 0: a plain decoding step), attending
         ``width`` cache slots. Greedy: ``fn(root, L, active, accept_u, expo, drafts, draft_probs, *kv)``;
-        sampling takes a ``temperature`` [B] float32 after ``draft_probs``. Returns (tokens [B, k+1], n [B])."""
-        params = self._graph_params(params)
-        return self._graph(("round", B, params, width, k), width, lambda: self._build_round(B, params, k))
+        sampling takes a ``temperature`` [B] float32 after ``draft_probs``; with logits processors
+        (``extras.logits``) the processor state (seq [B, 2S], meta [B, 3]) comes next. Returns
+        (tokens [B, k+1], n [B]), then with ``extras.scores`` the processed and raw logits [B, k+1, V]."""
+        key = self._key_params(params, extras)
+        return self._graph(("round", B, key, width, k), width, lambda: self._build_round(B, params, k, extras))
 
-    def _build_round(self, B: int, params: SamplingParams, k: int):
-        return self._compiled("round", self.round_function(B, params, k))
+    def _build_round(self, B: int, params: SamplingParams, k: int, extras=None):
+        return self._compiled("round", self.round_function(B, self._graph_params(params), k, extras))
 
-    def round_function(self, B: int, params: SamplingParams, k: int):
+    def round_function(self, B: int, params: SamplingParams, k: int, extras: "RoundExtras | None" = None):
         """The uncompiled chain round of :meth:`_round_fn`, taking the attended slots [W] (or an int
         width: a graph for that width only) first."""
         S, window = self.slots, self.window
         use_q = self.draft_q and not params.greedy and k > 0
         step = self._step(B, k + 1)
         hid = self.learned is not None
+        spec = None if extras is None else extras.logits
+        want_scores = extras is not None and extras.scores
+        n_proc = 0 if spec is None else 2
 
-        def outputs(verified, hidden):  # head drafters also read the features [B, k+1, H] of the fed tokens
-            return (*verified, hidden) if hid else verified
+        def target(cols, root, L, active, drafts, rest):
+            """(processed logits, raw logits, features) of the k+1 fed positions, and the kv tensors."""
+            proc, kv = rest[:n_proc], rest[n_proc:]
+            logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, cols, window, hidden=True)
+            processed = logits if spec is None else process_logits(spec, logits, *proc, L, *chain_paths(drafts))
+            return processed, logits, hidden
+
+        def outputs(verified, processed, raw, hidden):  # head drafters also read the features [B, k+1, H]
+            extra = (processed, raw) if want_scores else ()
+            return (*verified, *extra, hidden) if hid else (*verified, *extra)
         # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V]
         # (or [B, k+1, 1] when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
         if params.greedy:
-            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, *kv):
-                logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, cols, window, hidden=True)
-                return outputs(verify_chain_with_noise(logits, None, drafts, None, 0.0), hidden)
+            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, *rest):
+                processed, raw, hidden = target(cols, root, L, active, drafts, rest)
+                return outputs(verify_chain_with_noise(processed, None, drafts, None, 0.0), processed, raw, hidden)
         else:
-            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *kv):
-                logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, cols, window, hidden=True)
+            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
+                processed, raw, hidden = target(cols, root, L, active, drafts, rest)
                 return outputs(verify_chain_with_noise(
-                    scaled_logits(logits, temperature), draft_probs if use_q else None, drafts,
+                    scaled_logits(processed, temperature), draft_probs if use_q else None, drafts,
                     (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
-                ), hidden)
+                ), processed, raw, hidden)
 
         return round_fn
 
-    def _tree_round_fn(self, B: int, params: SamplingParams, width: int, shape: tuple[int, int, int]):
+    def _tree_round_fn(self, B: int, params: SamplingParams, width: int, shape: tuple[int, int, int],
+                       extras: "RoundExtras | None" = None):
         """One verification round over a token tree of the compiled ``shape`` (N nodes, at most C
         children per node, depth at most D), with the tree's topology an input (``parents``), then
         KV compaction of the accepted path, all in one graph. Greedy:
         ``fn(root, L, active, accept_u, expo, tree_tokens, parents, *kv)``; sampling takes a
-        ``temperature`` [B] float32 after ``parents``. Returns (path tokens, n, path nodes)."""
-        params = self._graph_params(params)
-        return self._graph(("tree", B, params, width, shape), width, lambda: self._build_tree_round(B, params, shape))
+        ``temperature`` [B] float32 after ``parents``, processors their state next (see
+        :meth:`_round_fn`). Returns (path tokens, n, path nodes), then with ``extras.scores`` the
+        processed and raw logits along the path [B, D+1, V]."""
+        key = self._key_params(params, extras)
+        return self._graph(("tree", B, key, width, shape), width,
+                           lambda: self._build_tree_round(B, params, shape, extras))
 
-    def _build_tree_round(self, B: int, params: SamplingParams, shape: tuple[int, int, int]):
-        return self._compiled("tree_round", self.tree_round_function(B, params, shape))
+    def _build_tree_round(self, B: int, params: SamplingParams, shape: tuple[int, int, int], extras=None):
+        return self._compiled("tree_round", self.tree_round_function(B, self._graph_params(params), shape, extras))
 
-    def tree_round_function(self, B: int, params: SamplingParams, shape: tuple[int, int, int]):
+    def tree_round_function(self, B: int, params: SamplingParams, shape: tuple[int, int, int],
+                            extras: "RoundExtras | None" = None):
         """The uncompiled tree round of :meth:`_tree_round_fn`, taking the attended slots [W] (or
         an int width) first."""
         S, window = self.slots, self.window
         N, C, D = shape
         step = self._step(B, N)
         hid = self.learned is not None
+        spec = None if extras is None else extras.logits
+        want_scores = extras is not None and extras.scores
+        n_proc = 0 if spec is None else 2
 
-        def verify_and_compact(logits, ids, children, noise, L, active, kv, hidden):
+        def along(t, path_nodes):  # rows of t [B, N, X] at the accepted path's nodes [B, D+1]
+            return t.gather(1, path_nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, t.shape[2]))
+
+        def verify_and_compact(cols, root, L, active, tree_tokens, parents, noise, temperature, rest):
+            proc, kv = rest[:n_proc], rest[n_proc:]
+            logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
+                                                        cols, window, hidden=True)
+            processed = logits if spec is None else process_logits(
+                spec, logits, *proc, L, *tree_paths(tree_tokens, parents, D))
             path_tokens, n, path_nodes = verify_tree_with_noise(
-                logits, None, ids, children, D, noise, 1.0 if noise is not None else 0.0,
-                params.top_k, params.top_p, params.min_p,
+                processed if temperature is None else scaled_logits(processed, temperature), None, ids, children, D,
+                noise, 1.0 if noise is not None else 0.0, params.top_k, params.top_p, params.min_p,
             )
             compact_path(kv, L, path_nodes, n, active, S - 1)
-            if not hid:
-                return path_tokens, n, path_nodes
+            out = (path_tokens, n, path_nodes)
+            if want_scores:
+                out = (*out, along(processed, path_nodes), along(logits, path_nodes))
             # head drafters read the target's features along the accepted path [B, D+1, H]
-            idx = path_nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, hidden.shape[2])
-            return path_tokens, n, path_nodes, hidden.gather(1, idx)
+            return (*out, along(hidden, path_nodes)) if hid else out
 
         # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V]
         # (or [B, N, 1] when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
         if params.greedy:
-            def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, *kv):
-                logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
-                                                            cols, window, hidden=True)
-                return verify_and_compact(logits, ids, children, None, L, active, kv, hidden)
+            def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, *rest):
+                return verify_and_compact(cols, root, L, active, tree_tokens, parents, None, None, rest)
         else:
-            def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, temperature, *kv):
-                logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
-                                                            cols, window, hidden=True)
-                return verify_and_compact(scaled_logits(logits, temperature), ids, children,
-                                          (accept_u, expo), L, active, kv, hidden)
+            def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, temperature, *rest):
+                return verify_and_compact(cols, root, L, active, tree_tokens, parents, (accept_u, expo), temperature,
+                                          rest)
 
         return tree_round_fn
 
@@ -1146,53 +1210,53 @@ class SpecGraphModel:
     @torch.no_grad()
     def generate(
         self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int = 128,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        eos_token_id=None,
-        pad_token_id=None,
-        generator: torch.Generator | None = None,
-        streamer=None,
+        input_ids: torch.Tensor,  # [B, T] long, left-padded batches via attention_mask
+        attention_mask: torch.Tensor | None = None,  # [B, T]
         generation_config=None,
-    ) -> torch.Tensor:
-        """Same contract as ``model.generate``: returns prompt + new tokens [B, T + n], rows padded
-        with ``pad_token_id`` after their EOS. Left-padded batches via ``attention_mask``."""
-        gc = generation_config or self.model.generation_config
-        if generation_config is not None:
-            max_new_tokens = getattr(gc, "max_new_tokens", None) or max_new_tokens
-            do_sample = bool(getattr(gc, "do_sample", do_sample))
-            temperature = getattr(gc, "temperature", temperature) or temperature
-            top_k = getattr(gc, "top_k", top_k)
-            top_p = getattr(gc, "top_p", top_p)
-            min_p = getattr(gc, "min_p", min_p)
-        eos, pad_token_id = eos_and_pad(eos_token_id, pad_token_id, gc.eos_token_id, gc.pad_token_id)
-        params = SamplingParams(temperature if do_sample else 0.0, top_k if do_sample else None,
-                                top_p if do_sample else None, min_p if do_sample else None)
-        if do_sample and temperature == 0:
-            raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy)")
-        rows = self._rows(input_ids, attention_mask, max_new_tokens)
-        if streamer is not None and len(rows) != 1:
-            raise ValueError("streamers support batch size 1 only (as in transformers)")
+        *,
+        logits_processor=None,
+        stopping_criteria=None,
+        streamer=None,
+        generator: torch.Generator | None = None,
+        tokenizer=None,
+        **kwargs,
+    ):
+        """Same contract as ``model.generate``: the model's ``generation_config``, then a passed
+        ``GenerationConfig``, then keyword arguments (``max_new_tokens``, ``do_sample``,
+        ``repetition_penalty``, ...), resolved by transformers' own rules; a setting specgraph
+        cannot honour exactly raises :class:`specgraph.generation.UnsupportedSetting`. Returns
+        prompt + new tokens [B, T + n], rows padded with ``pad_token_id`` after their end (or
+        transformers' ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``)."""
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        req = resolve(self.model, input_ids, generation_config, logits_processor=logits_processor,
+                      stopping_criteria=stopping_criteria, tokenizer=tokenizer, vocab=vocab, **kwargs)
+        prompt = input_ids
+        if req.num_return_sequences > 1:
+            input_ids = input_ids.repeat_interleave(req.num_return_sequences, dim=0)
+            if attention_mask is not None:
+                attention_mask = attention_mask.repeat_interleave(req.num_return_sequences, dim=0)
+        rows = self._rows(input_ids, attention_mask, req.max_new_tokens)
+        if self.fallback_reason is not None and (req.logits or req.stopping or req.return_dict):
+            raise UnsupportedSetting(
+                f"{', '.join(req.logits.names() if req.logits else []) or 'stopping criteria / scores'} need the "
+                f"compiled engine, and this model runs on the eager fallback ({self.fallback_reason})")
+        stream = None if streamer is None else StepStreamer(streamer, prompt, len(rows), req.pad_token_id)
         with one_call(self):  # concurrent calls on one object share its KV caches: one at a time
             self.stats = Stats()  # per call
             if self.fallback_reason is not None:
-                new = self._generate_eager(rows, max_new_tokens, params, eos, generator, streamer)
+                new, scores = self._generate_eager(rows, req, generator, stream), None
             elif self.draft == "suffix":
                 self._sessions = [self.suffix_index.start(r) for r in rows]
                 try:
-                    new = self._generate_compiled(rows, max_new_tokens, params, eos, generator, streamer)
+                    new, scores = self._generate_compiled(rows, req, generator, stream, input_ids.shape[1])
                 finally:
                     self._sessions = None
                 for r, n in zip(rows, new):  # later requests may repeat this one
                     self.suffix_index.add_document(r + n)
             else:
-                new = self._generate_compiled(rows, max_new_tokens, params, eos, generator, streamer)
-        return assemble_output(input_ids, new, pad_token_id)
+                new, scores = self._generate_compiled(rows, req, generator, stream, input_ids.shape[1])
+        sequences = assemble_output(input_ids, new, req.pad_token_id)
+        return sequences if not req.return_dict else scores.output(sequences, req)
 
     def _rows(self, input_ids, attention_mask, max_new_tokens) -> list[list[int]]:
         if input_ids.dim() == 2 and input_ids.shape[0] > self.max_batch_size:
@@ -1209,28 +1273,40 @@ class SpecGraphModel:
                 )
         return rows
 
-    def _generate_eager(self, rows, max_new_tokens, params, eos, generator, streamer):
+    def _generate_eager(self, rows, req: GenerationRequest, generator, stream):
         from specgraph.eager import eager_generate_ngram
 
-        new = []
+        new, params = [], req.params
         for r in rows:
             ids = torch.tensor([r], device=next(self.model.parameters()).device)
             out, st = eager_generate_ngram(
-                self.model, ids, max_new_tokens=max_new_tokens, num_speculative_tokens=max(self.k, 1),
+                self.model, ids, max_new_tokens=req.max_new_tokens, num_speculative_tokens=max(self.k, 1),
                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                eos_token_id=eos, generator=generator,
+                eos_token_id=list(req.eos), generator=generator,
             )
             new.append(out[0, len(r):].tolist())
             self.stats.rounds += st.rounds
             self.stats.emitted += st.emitted
-        if streamer is not None:
-            streamer.put(torch.tensor([rows[0]]))
-            streamer.put(torch.tensor(new[0]))
-            streamer.end()
+        if stream is not None:
+            stream.advance(new, [True] * len(new))
+            stream.end()
         return new
 
-    def _generate_compiled(self, rows, max_new_tokens, params, eos, generator, streamer):
+    def _processor_state(self, rows, T: int, req: GenerationRequest, B: int, device):
+        """(seq [B, 2S] long: each row as generate sees it, padding first; meta [B, 3] long:
+        padding, padded prompt length T, max_length) -- see :mod:`specgraph.processors`."""
+        S = self.slots
+        seq = torch.full((B, 2 * S), req.pad_token_id, dtype=torch.long)
+        meta = torch.zeros(B, 3, dtype=torch.long)
+        for b, r in enumerate(rows):
+            pads = T - len(r)
+            seq[b, pads: T] = torch.tensor(r)
+            meta[b] = torch.tensor([pads, T, req.max_length])
+        return seq.to(device), meta.to(device)
+
+    def _generate_compiled(self, rows, req: GenerationRequest, generator, stream, T: int):
         device = next(self.model.parameters()).device
+        params, eos, max_new_tokens = req.params, req.eos, req.max_new_tokens
         n_rows = len(rows)
         B = _bucket(n_rows, self.max_batch_size)
         S = self.slots
@@ -1242,6 +1318,11 @@ class SpecGraphModel:
         for b, r in enumerate(rows):
             hist[b, : len(r)] = torch.tensor(r)
         hist = hist.to(device)
+        # the logits processors' view of each row (padding included), and what the host checks stop on
+        proc = () if req.logits is None else self._processor_state(rows, T, req, B, device)
+        padded = [[req.pad_token_id] * (T - len(r)) + r for r in rows]
+        score_log = ScoreLog(n_rows, req) if req.return_dict else None
+        extras = RoundExtras(req.logits, score_log is not None)
         prefilled = self._prefill(B, rows, kv, device, "target")
         if self.learned is not None:  # the head's first feed (and its cache) from the prompt's features
             self.learned.start(B, rows, None if prefilled is None else prefilled[1], device)
@@ -1251,8 +1332,6 @@ class SpecGraphModel:
         root = hist.gather(1, (L).unsqueeze(1)).squeeze(1)
         new = [[] for _ in range(n_rows)]
         done = [False] * n_rows + [True] * (B - n_rows)
-        if streamer is not None:
-            streamer.put(torch.tensor([rows[0]]))
         V = self.model.get_output_embeddings().weight.shape[0]
         L_host = [n - 1 for n in lens]
         self._k_now = self.k_ladder[0]
@@ -1267,7 +1346,8 @@ class SpecGraphModel:
             active = torch.tensor([not d for d in done], device=device)
             tree = None if self.tree is None else self._propose_tree(B, width, hist, L, root, active)
             if tree is not None:
-                tokens, n, *hidden = self._run_tree_round(B, params, width, tree, root, L, active, generator, V, kv)
+                tokens, n, *rest = self._run_tree_round(B, params, width, tree, root, L, active, generator, V, kv,
+                                                        proc, extras)
                 k, depth = tree[3], tree[2][2]  # drafted nodes per row, depth
             else:
                 if self.tree is None:
@@ -1282,12 +1362,13 @@ class SpecGraphModel:
                     expo = torch.ones(B, k + 1, 1, device=device)
                 else:
                     accept_u, expo = chain_noise(B, k, V, device, generator)
-                round_fn = self._round_fn(B, params, width, k)
-                tokens, n, *hidden = round_fn(root, L, active, accept_u, expo, drafts,
-                                              accept_u if draft_probs is None else draft_probs, *temp, *kv)
+                round_fn = self._round_fn(B, params, width, k, extras)
+                tokens, n, *rest = round_fn(root, L, active, accept_u, expo, drafts,
+                                            accept_u if draft_probs is None else draft_probs, *temp, *proc, *kv)
                 depth = k
+            scores, rest = (rest[:2], rest[2:]) if extras.scores else (None, rest)
             if self.learned is not None:  # the next round's feed; it starts at this round's L
-                self.learned.observe(L, tokens, n, hidden[0])
+                self.learned.observe(L, tokens, n, rest[0])
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
             self.stats.rounds += 1
             if self.policy is not None:  # per-row acceptance estimates, from the counts just read
@@ -1299,31 +1380,39 @@ class SpecGraphModel:
             for b in range(n_rows):
                 if done[b]:
                     continue
-                keep, stopped = keep_until_eos(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos)
+                keep, stopped = stop_at(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos, req.stopping,
+                                        padded[b] + new[b], start, req.max_time)
                 new[b].extend(keep)
+                if score_log is not None and keep:
+                    score_log.add(b, scores[0][b, : len(keep)].cpu(), scores[1][b, : len(keep)].cpu())
                 self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
                 if self._sessions is not None:
                     self._sessions[b].extend(keep)
                 if stopped or len(new[b]) >= max_new_tokens:
                     done[b] = True
-                if streamer is not None and keep:
-                    streamer.put(torch.tensor(keep))
+            if stream is not None:
+                stream.advance(new, done)
             # advance device state for the rows still running (rolled-back slots are just not counted)
             adv_h = [0 if done[b] else n_h[b] for b in range(B)]
             L_host = [L_host[b] + adv_h[b] for b in range(B)]
             adv = torch.tensor(adv_h, device=device)
-            T = tokens.shape[1]
-            pos = L.unsqueeze(1) + 1 + torch.arange(T, device=device)  # history holds L + 1 tokens
-            write = torch.arange(T, device=device).unsqueeze(0) < adv.unsqueeze(1)
+            T_round = tokens.shape[1]
+            step = torch.arange(T_round, device=device)
+            pos = L.unsqueeze(1) + 1 + step  # history holds L + 1 tokens
+            write = step.unsqueeze(0) < adv.unsqueeze(1)
             hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens, hist[:, S - 1 :]))
+            if proc:
+                seq, meta = proc
+                ppos = torch.where(write, pos + meta[:, :1], 2 * S - 1)
+                seq.scatter_(1, ppos, torch.where(write, tokens, seq[:, 2 * S - 1:]))
             L = L + adv
             root = torch.where(adv > 0, tokens.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
-        if streamer is not None:
-            streamer.end()
+        if stream is not None:
+            stream.end()
         self.stats.seconds += time.perf_counter() - start
-        return new
+        return new, score_log
 
-    def _run_tree_round(self, B, params, width, tree, root, L, active, generator, V, kv):
+    def _run_tree_round(self, B, params, width, tree, root, L, active, generator, V, kv, proc=(), extras=None):
         tree_tokens, parents, shape, _ = tree
         device = root.device
         N, C, _ = shape
@@ -1332,11 +1421,11 @@ class SpecGraphModel:
         else:
             accept_u, expo = tree_noise(B, N, C, V, device, generator)
         temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
-        tokens, n, path_nodes, *hidden = self._tree_round_fn(B, params, width, shape)(
-            root, L, active, accept_u, expo, tree_tokens, parents, *temp, *kv)
+        tokens, n, path_nodes, *rest = self._tree_round_fn(B, params, width, shape, extras)(
+            root, L, active, accept_u, expo, tree_tokens, parents, *temp, *proc, *kv)
         if self.draft == "model":  # the draft cache holds the fed tree nodes at their tree slots too
             self._compact_fn(B, "draft")(L, path_nodes, n, active, *self._cache(B, "draft"))
-        return (tokens, n, *hidden)
+        return (tokens, n, *rest)
 
     def _prefill(self, B, rows, kv, device, which):
         """Write every prompt token but the last (the first root) into the cache.

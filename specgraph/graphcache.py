@@ -53,6 +53,7 @@ from specgraph.freezing import weight_bytes
 from specgraph.graphset import MODES, Progress
 from specgraph.models import cache_dir
 from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key
+from specgraph.warping import SamplingParams
 
 FORMAT = "specgraph-graph-cache"
 FORMAT_VERSION = 2
@@ -106,6 +107,7 @@ def entry_key(fast) -> dict:
         "slots": fast.slots,
         "window": fast.window,
         "autotune": fast.autotune,
+        "sampling": list(_filters(fast)),
         "versions": {**versions(), "python": platform.python_version()},
         "machine": {"cpu": cpu_model(), "isa": cpu_capability(), "arch": platform.machine(), "device": "cpu"},
     }
@@ -115,14 +117,23 @@ def key_digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def _filters(fast) -> tuple:
+    """(top_k, top_p, min_p) baked into the sampling packages: those of the model's default
+    sampling request (:meth:`SpecGraphModel.default_sampling`)."""
+    p = fast.default_sampling()
+    return p.top_k, p.top_p, p.min_p
+
+
 class CachedGraphs(dict):
     """A :meth:`SpecGraphModel.use_graphs` mapping answered by an entry's packages. Sampling
-    packages serve temperature-only sampling (the temperature is an input); a request with
-    top-k / top-p / min-p is left to the JIT, as it is after :meth:`SpecGraphModel.warmup`."""
+    packages serve the model's default filters at any temperature (an input); a request with
+    other top-k / top-p / min-p, logits processors or score outputs is left to the JIT, as it is
+    after :meth:`SpecGraphModel.warmup`."""
 
-    def __init__(self, packages: dict):
+    def __init__(self, packages: dict, sampling: SamplingParams):
         super().__init__()
         self.packages = packages  # packages.package_key(...) -> Package
+        self.sampling = sampling  # the filters baked into the sampling packages
 
     def __contains__(self, key) -> bool:
         if dict.__contains__(self, key):
@@ -130,7 +141,9 @@ class CachedGraphs(dict):
         if key[0] not in ("round", "tree"):
             return False
         kind, batch, params, _, shape = key
-        if not params.greedy and (params.top_k, params.top_p, params.min_p) != (None, None, None):
+        if not isinstance(params, SamplingParams):  # a round with logits processors or score outputs
+            return False
+        if not params.greedy and params != self.sampling:
             return False
         pkg = self.packages.get(package_key(kind, batch, shape, "greedy" if params.greedy else "sample"))
         if pkg is None:
@@ -166,7 +179,7 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None) -> dict |
         return None
     if missing:
         _build(fast, folder, digest, missing, packages, progress)
-    fast.use_graphs(CachedGraphs(packages))
+    fast.use_graphs(CachedGraphs(packages, fast.default_sampling()))
     return {"path": str(folder), "hit": not missing, "built": len(missing), "loaded": len(packages),
             "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan),
             "seconds": round(time.perf_counter() - t0, 2)}
@@ -233,7 +246,7 @@ def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progr
                 t1 = time.perf_counter()
                 with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as stage:
                     (Path(stage) / PT2_SUBDIR).mkdir()
-                    spec, _ = package_graph(fast, g, Path(stage), device, vocab, (None, None, None), freeze=frozen,
+                    spec, _ = package_graph(fast, g, Path(stage), device, vocab, _filters(fast), freeze=frozen,
                                             autotune=fast.autotune)
                     stem = _stem(g, frozen)
                     built = Path(stage) / spec["file"]

@@ -323,6 +323,12 @@ def measure_draft_costs(fast, batch_sizes, context: int, repeats: int = 5, progr
 
 
 @torch.no_grad()
+def _token_kwargs(eos_token_id, pad_token_id) -> dict:
+    """The EOS / pad arguments for generate, None meaning the model's own (passed explicitly, None
+    would switch EOS off, as in transformers)."""
+    return {k: v for k, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)) if v is not None}
+
+
 def measure_acceptance(fast, rows, depth: int, max_new_tokens: int, eos_token_id=None, pad_token_id=None,
                        progress=True) -> tuple[AcceptanceProfile, list]:
     """Each prompt alone, greedy, at a fixed depth: survival per position from ``fast.stats``,
@@ -333,7 +339,7 @@ def measure_acceptance(fast, rows, depth: int, max_new_tokens: int, eos_token_id
     for i, r in enumerate(rows):
         ids = torch.tensor([r], device=next(fast.model.parameters()).device)
         with forced_depth(fast, depth):
-            fast.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+            fast.generate(ids, max_new_tokens=max_new_tokens, **_token_kwargs(eos_token_id, pad_token_id))
         st = fast.stats
         for lst, new in ((acc, st.accepted_at), (drafted, st.drafted_at)):
             lst.extend([0] * (len(new) - len(lst)))
@@ -370,7 +376,7 @@ def measure_speedups(fast, rows, batch_sizes, depths, max_new_tokens: int, runs:
                 with forced_depth(fast, g):
                     for ids, mask in batches:
                         outs.append(fast.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                                  eos_token_id=eos_token_id, pad_token_id=pad))
+                                                  **_token_kwargs(eos_token_id, pad)))
                         tokens, rounds = tokens + fast.stats.emitted, rounds + fast.stats.rounds
                 return outs, tokens, rounds
             run()  # warm-up: compiles this depth's graphs
