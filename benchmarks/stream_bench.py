@@ -61,6 +61,18 @@ def build(model, name, args):
     return fast, time.perf_counter() - t0
 
 
+def method_settings(method: str, base_kw: dict, args) -> tuple[str, dict]:
+    """(base method, generate keyword arguments): a method ending in " rp" decodes with
+    ``repetition_penalty=--repetition-penalty`` (HF and specgraph alike)."""
+    if method.endswith(" rp"):
+        return method.removesuffix(" rp"), {**base_kw, "repetition_penalty": args.repetition_penalty}
+    return method, base_kw
+
+
+def reference_of(method: str) -> str:
+    return "hf plain rp" if method.endswith(" rp") else "hf plain"
+
+
 def startup_only(args) -> int:
     """One process: load the model and build one method (what a second process pays)."""
     t0 = time.perf_counter()
@@ -118,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="prompts per call (left-padded batches of the stream)")
     ap.add_argument("--methods", default="hf plain,hf prompt lookup,specgraph plain,specgraph ngram,specgraph suffix")
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    ap.add_argument("--repetition-penalty", type=float, default=1.1,
+                    help='the penalty of methods named with a trailing " rp" (e.g. "specgraph ngram rp")')
     ap.add_argument("--second-process", action="store_true", help="also time each specgraph start-up in a new process")
     ap.add_argument("--vllm-python", default=None, metavar="PY",
                     help="also run the vLLM-CPU peer (plain and ngram) with this python (benchmarks/vllm_setup.sh)")
@@ -141,20 +155,23 @@ def main(argv=None) -> int:
         for b, (_, p) in enumerate(group):
             ids[b, T - p.shape[1]:], mask[b, T - p.shape[1]:] = p[0], 1
         calls.append(([n for n, _ in group], ids, mask))
-    gkw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
-    runners, startup = {}, {}
+    base_kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    runners, startup, built_fast = {}, {}, {}
     for m in methods:
-        if m == "hf plain":
-            runners[m] = lambda ids, mask: model.generate(ids, attention_mask=mask, **gkw)
+        base, gkw = method_settings(m, base_kw, args)
+        if base == "hf plain":
+            runners[m] = lambda ids, mask, gkw=gkw: model.generate(ids, attention_mask=mask, **gkw)
             startup[m] = {"load_s": load_s, "build_s": 0.0}
-        elif m == "hf prompt lookup":
-            runners[m] = lambda ids, mask: model.generate(ids, attention_mask=mask,
-                                                          prompt_lookup_num_tokens=args.prompt_lookup_tokens, **gkw)
+        elif base == "hf prompt lookup":
+            runners[m] = lambda ids, mask, gkw=gkw: model.generate(
+                ids, attention_mask=mask, prompt_lookup_num_tokens=args.prompt_lookup_tokens, **gkw)
             startup[m] = {"load_s": load_s, "build_s": 0.0}
         else:
-            print(f"building {m} ...", file=sys.stderr, flush=True)
-            fast, build_s = build(model, m, args)
-            runners[m] = lambda ids, mask, fast=fast: fast.generate(ids, attention_mask=mask, **gkw)
+            if base not in built_fast:
+                print(f"building {base} ...", file=sys.stderr, flush=True)
+                built_fast[base] = build(model, base, args)
+            fast, build_s = built_fast[base]
+            runners[m] = lambda ids, mask, fast=fast, gkw=gkw: fast.generate(ids, attention_mask=mask, **gkw)
             startup[m] = {"load_s": load_s, "build_s": build_s, "graphs": len(fast.graphs_built) or len(fast.graph_plan(("greedy",))),
                           "graph_cache": fast.graph_cache}
             runners[m].fast = fast
@@ -180,15 +197,15 @@ def main(argv=None) -> int:
                 totals[m]["builds_in_stream"] += len(fast.graphs_built) - built
             outputs[m].append(out)
         print(f"{','.join(names)}: prompt {ids.shape[1]} tokens done", file=sys.stderr, flush=True)
-    ref = outputs.get("hf plain")
     rows = []
     for m in methods:
         t = totals[m]
+        ref = outputs.get(reference_of(m))  # HF plain with the same settings
         equal = None if ref is None else all(torch.equal(a, b) for a, b in zip(outputs[m], ref))
         rows.append({"method": m, **t, "tokens_per_s": t["tokens"] / t["seconds"], **startup[m], "equal_to_hf": equal})
     if args.vllm_python:
-        rows += vllm_rows(args, ref, calls, eos)
-    hf = next((r["tokens_per_s"] for r in rows if r["method"] == "hf plain"), None)
+        rows += vllm_rows(args, outputs.get("hf plain"), calls, eos)
+    hf_of = {r["method"]: r["tokens_per_s"] for r in rows if r["method"] in ("hf plain", "hf plain rp")}
     if args.second_process:
         for r in rows:
             if r["method"].startswith("specgraph"):
@@ -205,6 +222,8 @@ def main(argv=None) -> int:
             print(f"{r['method']:<22} failed: {r['error']}")
             continue
         second = r.get("second_process", {}).get("wall_s")
+        hf = hf_of.get(reference_of(r["method"]))
+        r["vs_hf"] = r["tokens_per_s"] / hf if hf else None
         print(f"{r['method']:<22} {r['tokens_per_s']:7.1f} {r['tokens_per_s'] / hf if hf else float('nan'):5.2f}x "
               f"{r['tokens']:7d} {r['load_s'] + r['build_s']:11.1f} {second if second else float('nan'):11.1f} "
               f"{r.get('graphs', 0):6d} {r['builds_in_stream']:15d} {str(r['equal_to_hf']):>6}")

@@ -69,7 +69,6 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -167,9 +166,9 @@ def compile_dir(
     max_seq_len: int = 1024,
     formats=("pt2",),
     modes=MODES,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
+    top_k="model",
+    top_p="model",
+    min_p="model",
     prefill_chunk: int | None = PREFILL_CHUNK,
     freeze: bool = False,
     overwrite: bool = False,
@@ -192,7 +191,9 @@ def compile_dir(
         formats: ``"pt2"`` (AOTInductor packages) and/or ``"onnx"`` (:func:`specgraph.export_onnx`:
             chains, static prompt-lookup trees and suffix decoding, chains or dynamic trees).
         modes: ``"greedy"`` and/or ``"sample"`` graphs; ``top_k`` / ``top_p`` / ``min_p`` are baked
-            into the sampling graphs (the temperature stays an input).
+            into the sampling graphs (the temperature stays an input). ``"model"`` (default): those
+            of a plain ``do_sample=True`` request on this model (its generation config, then
+            transformers' defaults: top-k 50); None: off. A sampling request must resolve to them.
         freeze: fold the weights into every package, prepacked for the GEMMs and autotuned as
             ``specgraph.compile`` does for large CPU models: about 2x faster rounds on CPU, but each
             package holds its own weight copy (on disk and in memory). Default: packages hold code
@@ -331,11 +332,14 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
     import specgraph
 
     top_vocab = model.get_output_embeddings().weight.shape[0]
+    fast = specgraph.compile(model, draft, num_speculative_tokens=num_speculative_tokens, tree=tree, backend="eager",
+                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, warmup=False)
+    default = fast.default_sampling()
+    top_k, top_p, min_p = (default.top_k if top_k == "model" else top_k, default.top_p if top_p == "model" else top_p,
+                           default.min_p if min_p == "model" else min_p)
     top_k, top_p, min_p = normalize_filters(top_vocab, top_k, top_p, min_p)
     if "sample" in modes:
         check_sampling_params(1.0, top_k, top_p, min_p)
-    fast = specgraph.compile(model, draft, num_speculative_tokens=num_speculative_tokens, tree=tree, backend="eager",
-                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, warmup=False)
     if fast.fallback_reason is not None:
         raise ValueError(f"this model cannot be compiled ahead of time: {fast.fallback_reason}")
     autotune = freeze and resolve_autotune("auto", model)  # GEMM autotuning pays with frozen weights only
@@ -732,8 +736,9 @@ class _PackagedModel(torch.nn.Module):
     def __init__(self, config: dict, generation: dict, tensors: dict, embeddings: dict):
         super().__init__()
         self.config = _JsonConfig(config)
-        self.generation_config = SimpleNamespace(**{k: generation.get(k) for k in
-                                                    ("eos_token_id", "pad_token_id", "bos_token_id")})
+        from transformers import GenerationConfig
+
+        self.generation_config = GenerationConfig.from_dict(generation)
         self._in = _Weight(tensors[embeddings["input"]])
         self._out = self._in if embeddings["output"] == embeddings["input"] else _Weight(tensors[embeddings["output"]])
         self.tensors = tensors

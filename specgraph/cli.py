@@ -255,9 +255,16 @@ def _sampling_kwargs(args, model_or_gc):
     if not sample and any(getattr(args, f, None) is not None for f in ("top_k", "top_p")):
         _die("--top-k / --top-p filter sampling: they need --temperature > 0 (greedy decoding would ignore them)")
     gkw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=sample)
-    if sample:
-        gkw.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if sample:  # filters not given: the model's own, as model.generate (transformers' default top-k 50)
+        gkw.update(temperature=args.temperature,
+                   **{k: v for k, v in (("top_k", args.top_k), ("top_p", args.top_p)) if v is not None})
     return gkw, sample
+
+
+def _baked(value):
+    """A --top-k / --top-p / --min-p of `specgraph compile`: not given = the model's default
+    sampling request's; 0 = off."""
+    return "model" if value is None else (None if value == 0 else value)
 
 
 def _print_table(rows, file=None) -> None:
@@ -455,7 +462,10 @@ def _generate_from_dir(args) -> int:
     ids = _chat_ids(tok, args.prompt).to(device)
     gkw, sample = _sampling_kwargs(args, ld.model)
     try:
-        ld.check_request(ids.shape[1], args.max_new_tokens, sample, args.top_k, args.top_p, None)
+        p = ld.fast.default_sampling() if sample else None
+        ld.check_request(ids.shape[1], args.max_new_tokens, sample,
+                         p.top_k if sample and args.top_k is None else args.top_k,
+                         p.top_p if sample and args.top_p is None else args.top_p, p.min_p if sample else None)
     except ArtifactError as e:
         _die(str(e), 1)
     streamer = _streamer(tok, args.stream, before_first=ld.wait_verified)
@@ -646,7 +656,8 @@ def cmd_compile(args, formats=None) -> int:
     man, dt = _timed(lambda: compile_dir(
         model, out, tokenizer=tok, draft=draft, num_speculative_tokens=args.num_speculative_tokens, depths=args.depths,
         tree=args.tree, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, formats=tuple(formats),
-        modes=tuple(args.modes), top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, overwrite=args.force,
+        modes=tuple(args.modes), top_k=_baked(args.top_k), top_p=_baked(args.top_p), min_p=_baked(args.min_p),
+        overwrite=args.force,
         freeze=getattr(args, "freeze", False),
         progress=not args.quiet, source=args.model))
     size = sum(f["bytes"] for f in man["files"].values()) / 2**20
@@ -900,9 +911,12 @@ def _add_compile_flags(c, onnx_only=False):
                             "models of 50M+ parameters): ~2x faster rounds on CPU, one weight copy per package")
     c.add_argument("--modes", type=lambda v: _csv(v, "--modes", ("greedy", "sample")), default=["greedy", "sample"],
                    metavar="greedy,sample", help="graphs for greedy decoding and/or sampling (temperature stays an input)")
-    c.add_argument("--top-k", type=int, default=None, help="top-k baked into the sampling graphs (default: none)")
-    c.add_argument("--top-p", type=float, default=None, help="top-p baked into the sampling graphs (default: none)")
-    c.add_argument("--min-p", type=float, default=None, help="min-p baked into the sampling graphs (default: none)")
+    c.add_argument("--top-k", type=int, default=None,
+                   help="top-k baked into the sampling graphs (default: the model's, as model.generate: 50; 0 = off)")
+    c.add_argument("--top-p", type=float, default=None,
+                   help="top-p baked into the sampling graphs (default: the model's; 0 = off)")
+    c.add_argument("--min-p", type=float, default=None,
+                   help="min-p baked into the sampling graphs (default: the model's; 0 = off)")
     _add_device_flags(c)
     c.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     c.add_argument("--force", action="store_true",
@@ -966,8 +980,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(SmolLM2 on a 2-core CPU: 1.28x faster plain steps, ~2x compile time); default: on for CPU "
                         "models of >= 50M parameters")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (default: off)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="sample from the k most likely tokens (default: the model's generation config, else 50, "
+                        "as model.generate)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling threshold (default: the model's generation config, else off)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     _add_device_flags(g, dir_ok=True)

@@ -193,7 +193,28 @@ def _sliding_window(model):
     return window if window and getattr(cfg, "use_sliding_window", True) else None
 
 
+def check_servable(model) -> None:
+    """Refuse, at compile time and with the reason, models no path of specgraph can serve (the
+    capture route's own limits are checked apart: those models fall back to the eager path)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "generation_config"):
+        raise UnsupportedModel(f"{type(model).__name__} is not a transformers generation model (no config / "
+                               "generation_config)")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModel(f"{type(model).__name__} is an encoder-decoder model ({cfg.model_type}); specgraph "
+                               "serves decoder-only causal LMs")
+    params = list(model.parameters())
+    if not params:
+        raise UnsupportedModel(f"{type(model).__name__} has no parameters")
+    if any(p.device.type == "meta" for p in params):
+        raise UnsupportedModel(f"{type(model).__name__} has weights on the 'meta' device (not loaded); load the "
+                               "weights (e.g. from_pretrained without device_map='meta', or to_empty + load_state_dict)")
+    if model.get_output_embeddings() is None:
+        raise UnsupportedModel(f"{type(model).__name__} has no language-model head (use the *ForCausalLM class)")
+
+
 def _check_draft_model(target, draft) -> None:
+    check_servable(draft)
     if draft.training:
         raise ValueError("put the draft model in eval mode first (draft.eval())")
     tv = target.get_output_embeddings().weight.shape[0]
@@ -487,6 +508,7 @@ class SpecGraphModel:
                  autotune=False, tree_nodes="auto"):
         if backend not in ("inductor", "eager"):
             raise ValueError(f"backend must be 'inductor' or 'eager', got {backend!r}")
+        check_servable(model)
         draft_model = None
         # learned drafters (specgraph.learned): "layerskip" becomes a draft model; "eagle" / "medusa"
         # and head objects become (kind, head)

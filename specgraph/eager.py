@@ -102,7 +102,9 @@ def eager_generate_ngram(
     k = num_speculative_tokens
     stats = GenerationStats()
     start = time.perf_counter()
-    cache = DynamicCache(config=model.config)
+    # full-length layers (no config): a sliding-window layer cannot be cropped back past its window,
+    # and the model's own masks apply the window either way
+    cache = DynamicCache()
     tokens = input_ids[0].tolist()
     if len(tokens) > 1:
         _forward(model, input_ids[:, :-1], cache)

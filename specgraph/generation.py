@@ -105,7 +105,15 @@ def _prepare_config(model, generation_config, kwargs: dict):
     prepare = getattr(model, "_prepare_generation_config", None)
     if prepare is not None:
         return prepare(generation_config, **kwargs)
-    cfg = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    # a stand-in model without GenerationMixin (a compiled directory's): the same precedence
+    from transformers import GenerationConfig
+
+    cfg = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    defaults = getattr(GenerationConfig(), "_get_default_generation_params", dict)()
+    for source in (model.generation_config.to_dict(), defaults):
+        for k, v in source.items():
+            if v is not None and getattr(cfg, k, None) is None and not k.startswith("_"):
+                setattr(cfg, k, v)
     return cfg, cfg.update(**kwargs)
 
 
@@ -216,10 +224,10 @@ def resolve(model, input_ids, generation_config=None, *, logits_processor=None, 
     has_default_max = kwargs.get("max_length") is None and (
         generation_config is None or generation_config.max_length is None) and model.generation_config.max_length is None
     cfg, leftover = _prepare_config(model, generation_config, kwargs)
-    leftover = {k: v for k, v in leftover.items() if not (k in ("output_attentions", "output_hidden_states") and not v)}
+    _refuse_unsupported(cfg)
+    leftover = {k: v for k, v in leftover.items() if k not in ("output_attentions", "output_hidden_states")}
     if leftover:
         raise TypeError(f"generate() got arguments specgraph does not know: {sorted(leftover)}")
-    _refuse_unsupported(cfg)
     T = input_ids.shape[-1]
     # lengths, as transformers prepares them
     if cfg.max_new_tokens is not None:

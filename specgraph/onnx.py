@@ -224,9 +224,10 @@ class OnnxSpecGenerator:
         generator: torch.Generator | None = None,
         uniforms=None,
     ) -> torch.Tensor:
-        """Same contract as ``model.generate`` / ``SpecGraphModel.generate``: prompt + new tokens
-        [B, T + n], rows padded with ``pad_token_id`` after their EOS; left padding via
-        ``attention_mask``.
+        """prompt + new tokens [B, T + n], rows padded with ``pad_token_id`` after their EOS; left
+        padding via ``attention_mask``. The settings are this method's arguments alone: top-k /
+        top-p / min-p are the ones baked into the exported sampling graphs (None = off; unlike
+        ``model.generate``, no top-k 50 default), and there are no logits processors.
 
         Sampling draws its random inputs from ``generator`` in the compiler's order (a draft
         model's Exp(1) rows per draft step, then :func:`specgraph.verify.chain_noise` or

@@ -128,7 +128,7 @@ def test_changed_weights_or_settings_are_another_entry(model, first, root):
     for record in folder.glob("round_*_greedy.frozen.json"):
         spec = json.loads(record.read_text())["spec"]
         packages[package_key("round", spec["batch"], spec["depth"], "greedy")] = Package(folder / spec["file"], tensors, spec)
-    stale.use_graphs(graphcache.CachedGraphs(packages))
+    stale.use_graphs(graphcache.CachedGraphs(packages, stale.default_sampling()))
     ids = prompts()[2]
     assert not torch.equal(stale.generate(ids, max_new_tokens=24), hf(changed, ids))
     longer = specgraph.compile(model, "ngram", cache=root, **{**SETTINGS, "max_seq_len": 128, "modes": ("greedy",)})

@@ -334,7 +334,7 @@ def test_greedy_equals_hf_generate(which, request):
 def test_sampled_generation_reproducible_and_equal_to_torch_path(llama):
     ids, mask = left_pad(ROWS_2)
     g = llama.generator()
-    kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, temperature=0.8, pad_token_id=PAD)
+    kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, temperature=0.8, top_k=None, pad_token_id=PAD)
     a = g.generate(ids, generator=torch.Generator().manual_seed(7), **kw)
     b = g.generate(ids, generator=torch.Generator().manual_seed(7), **kw)
     c = g.generate(ids, generator=torch.Generator().manual_seed(8), **kw)
@@ -593,7 +593,7 @@ def test_sampled_tree_and_draft_generation_equal_torch_path(which, request):
     g = ex.generator()
     drafted = accepted = 0
     for seed, temp in ((7, 0.8), (8, 0.3)):
-        kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, temperature=temp, pad_token_id=PAD)
+        kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, temperature=temp, top_k=None, pad_token_id=PAD)
         a = g.generate(ids, generator=torch.Generator().manual_seed(seed), **kw)
         t = ex.fast.generate(ids, generator=torch.Generator().manual_seed(seed), **kw)
         assert torch.equal(a, t), (seed, a[:, ids.shape[1]:], t[:, ids.shape[1]:])
@@ -619,7 +619,7 @@ def test_sampled_suffix_chain_is_calibrated_like_the_torch_path(suffix_chain, mo
     # "17 64" continues three ways: suffix scores below 1, which a calibrated threshold cuts
     ids, mask = left_pad([repeated([17, 64, 3, 17, 64, 88, 17, 64, 25], 37), repeated([50, 9, 50, 11], 9)])
     for seed in (7, 8, 9):
-        kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, temperature=0.3, pad_token_id=PAD)
+        kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, temperature=0.3, top_k=None, pad_token_id=PAD)
         a = g.generate(ids, generator=torch.Generator().manual_seed(seed), **kw)
         t = ex.fast.generate(ids, generator=torch.Generator().manual_seed(seed), **kw)
         assert torch.equal(a, t), (seed, a[:, ids.shape[1]:], t[:, ids.shape[1]:])
