@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import threading
 import time
 import warnings
@@ -34,7 +35,7 @@ from specgraph.passes import attend_prefix_pass, run_step_pipeline
 from specgraph.processors import LogitsSpec, chain_paths, process_logits, tree_paths
 from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
 from specgraph.verify import chain_noise, exponential_noise, tree_noise, verify_chain_with_noise, verify_tree_with_noise
-from specgraph.warping import SamplingParams, normalize_filters, warped_probs
+from specgraph.warping import SamplingParams, normalize_filters, token_logprobs, warped_probs
 
 NEG_INF = float("-inf")
 
@@ -46,10 +47,11 @@ class RoundExtras:
 
     logits: LogitsSpec | None = None
     scores: bool = False
+    logprobs: int = -1  # >= 0: the emitted tokens' log-probabilities and the top-n of each position
 
     @property
     def any(self) -> bool:
-        return self.logits is not None or self.scores
+        return self.logits is not None or self.scores or self.logprobs >= 0
 
 
 def _bucket(b: int, max_batch: int) -> int:
@@ -955,6 +957,7 @@ class SpecGraphModel:
         hid = self.learned is not None
         spec = None if extras is None else extras.logits
         want_scores = extras is not None and extras.scores
+        top_n = -1 if extras is None else extras.logprobs
         n_proc = 0 if spec is None else 2
 
         def target(cols, root, L, active, drafts, rest):
@@ -964,8 +967,12 @@ class SpecGraphModel:
             processed = logits if spec is None else process_logits(spec, logits, *proc, L, *chain_paths(drafts))
             return processed, logits, hidden
 
-        def outputs(verified, processed, raw, hidden):  # head drafters also read the features [B, k+1, H]
+        def outputs(verified, processed, raw, hidden, temperature=None):  # heads also read the features [B, k+1, H]
             extra = (processed, raw) if want_scores else ()
+            if top_n >= 0:
+                x = processed if temperature is None else scaled_logits(processed, temperature)
+                extra = (*extra, *token_logprobs(x, verified[0], top_n, temperature is not None, params.top_k,
+                                                 params.top_p, params.min_p))
             return (*verified, *extra, hidden) if hid else (*verified, *extra)
         # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V]
         # (or [B, k+1, 1] when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
@@ -979,7 +986,7 @@ class SpecGraphModel:
                 return outputs(verify_chain_with_noise(
                     scaled_logits(processed, temperature), draft_probs if use_q else None, drafts,
                     (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
-                ), processed, raw, hidden)
+                ), processed, raw, hidden, temperature)
 
         return round_fn
 
@@ -1009,6 +1016,7 @@ class SpecGraphModel:
         hid = self.learned is not None
         spec = None if extras is None else extras.logits
         want_scores = extras is not None and extras.scores
+        top_n = -1 if extras is None else extras.logprobs
         n_proc = 0 if spec is None else 2
 
         def along(t, path_nodes):  # rows of t [B, N, X] at the accepted path's nodes [B, D+1]
@@ -1028,6 +1036,11 @@ class SpecGraphModel:
             out = (path_tokens, n, path_nodes)
             if want_scores:
                 out = (*out, along(processed, path_nodes), along(logits, path_nodes))
+            if top_n >= 0:
+                x = along(processed, path_nodes)
+                x = x if temperature is None else scaled_logits(x, temperature)
+                out = (*out, *token_logprobs(x, path_tokens, top_n, temperature is not None, params.top_k,
+                                             params.top_p, params.min_p))
             # head drafters read the target's features along the accepted path [B, D+1, H]
             return (*out, along(hidden, path_nodes)) if hid else out
 
@@ -1241,6 +1254,7 @@ class SpecGraphModel:
         streamer=None,
         generator: torch.Generator | None = None,
         tokenizer=None,
+        output_logprobs: int | None = None,
         **kwargs,
     ):
         """Same contract as ``model.generate``: the model's ``generation_config``, then a passed
@@ -1248,10 +1262,17 @@ class SpecGraphModel:
         ``repetition_penalty``, ...), resolved by transformers' own rules; a setting specgraph
         cannot honour exactly raises :class:`specgraph.generation.UnsupportedSetting`. Returns
         prompt + new tokens [B, T + n], rows padded with ``pad_token_id`` after their end (or
-        transformers' ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``)."""
+        transformers' ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``).
+        ``output_logprobs=n`` (n >= 0, an addition for serving): the output also carries each
+        emitted token's log-probability and the top-n of its position
+        (:class:`specgraph.generation.SpecGenerateOutput`), computed inside the round."""
         vocab = self.model.get_output_embeddings().weight.shape[0]
         req = resolve(self.model, input_ids, generation_config, logits_processor=logits_processor,
                       stopping_criteria=stopping_criteria, tokenizer=tokenizer, vocab=vocab, **kwargs)
+        if output_logprobs is not None:
+            if isinstance(output_logprobs, bool) or not isinstance(output_logprobs, int) or output_logprobs < 0:
+                raise ValueError(f"output_logprobs must be an int >= 0 (top-n), got {output_logprobs!r}")
+            req = dataclasses.replace(req, return_dict=True, logprobs=output_logprobs)
         prompt = input_ids
         if req.num_return_sequences > 1:
             input_ids = input_ids.repeat_interleave(req.num_return_sequences, dim=0)
@@ -1344,7 +1365,7 @@ class SpecGraphModel:
         proc = () if req.logits is None else self._processor_state(rows, T, req, B, device)
         padded = [[req.pad_token_id] * (T - len(r)) + r for r in rows]
         score_log = ScoreLog(n_rows, req) if req.return_dict else None
-        extras = RoundExtras(req.logits, score_log is not None)
+        extras = RoundExtras(req.logits, req.output_scores or req.output_logits, req.logprobs)
         prefilled = self._prefill(B, rows, kv, device, "target")
         if self.learned is not None:  # the head's first feed (and its cache) from the prompt's features
             self.learned.start(B, rows, None if prefilled is None else prefilled[1], device)
@@ -1389,6 +1410,7 @@ class SpecGraphModel:
                                             accept_u if draft_probs is None else draft_probs, *temp, *proc, *kv)
                 depth = k
             scores, rest = (rest[:2], rest[2:]) if extras.scores else (None, rest)
+            logprobs, rest = (rest[:3], rest[3:]) if extras.logprobs >= 0 else (None, rest)
             if self.learned is not None:  # the next round's feed; it starts at this round's L
                 self.learned.observe(L, tokens, n, rest[0])
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
@@ -1406,7 +1428,11 @@ class SpecGraphModel:
                                         padded[b] + new[b], start, req.max_time)
                 new[b].extend(keep)
                 if score_log is not None and keep:
-                    score_log.add(b, scores[0][b, : len(keep)].cpu(), scores[1][b, : len(keep)].cpu())
+                    n_keep = len(keep)
+                    if scores is not None:
+                        score_log.add(b, scores[0][b, :n_keep].cpu(), scores[1][b, :n_keep].cpu())
+                    if logprobs is not None:
+                        score_log.add_logprobs(b, *(t[b, :n_keep].cpu() for t in logprobs))
                 self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
                 if self._sessions is not None:
                     self._sessions[b].extend(keep)

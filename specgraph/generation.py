@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from specgraph.processors import LogitsSpec
 from specgraph.warping import SamplingParams
@@ -97,6 +98,7 @@ class GenerationRequest:
     output_scores: bool = False
     output_logits: bool = False
     renormalize_logits: bool = False
+    logprobs: int = -1  # >= 0: emitted tokens' log-probabilities and the top-n per position
     config: object = field(default=None, compare=False)  # the resolved GenerationConfig
 
 
@@ -292,6 +294,15 @@ class ScoreLog:
         self.req = req
         self.scores: list[list[torch.Tensor]] = [[] for _ in range(rows)]
         self.logits: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        self.chosen: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        self.top: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        self.top_ids: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+
+    def add_logprobs(self, row: int, chosen: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor) -> None:
+        """``chosen`` [n], ``top`` / ``top_ids`` [n, top-n] for the row's kept tokens."""
+        self.chosen[row].extend(chosen.unsqueeze(-1).unbind(0))
+        self.top[row].extend(top.unbind(0))
+        self.top_ids[row].extend(top_ids.unbind(0))
 
     def add(self, row: int, processed: torch.Tensor, raw: torch.Tensor) -> None:
         """``processed`` [n, V] (before the sampling warpers), ``raw`` [n, V]: the row's kept tokens."""
@@ -305,21 +316,36 @@ class ScoreLog:
         self.logits[row].extend(raw.float().unbind(0))
 
     @staticmethod
-    def _steps(per_row: list[list[torch.Tensor]]) -> tuple:
-        """One [B, V] tensor per step; rows that ended earlier hold NaN there."""
+    def _steps(per_row: list[list[torch.Tensor]], fill=float("nan")) -> tuple:
+        """One [B, X] tensor per step; rows that ended earlier hold ``fill`` there (NaN)."""
         n = max(len(r) for r in per_row)
-        V = next(t.shape[-1] for r in per_row for t in r)
-        nan = torch.full((V,), float("nan"))
-        return tuple(torch.stack([r[s] if s < len(r) else nan for r in per_row]) for s in range(n))
+        if n == 0:
+            return ()
+        like = next(t for r in per_row for t in r)
+        pad = torch.full(like.shape, fill, dtype=like.dtype)
+        return tuple(torch.stack([r[s] if s < len(r) else pad for r in per_row]) for s in range(n))
 
     def output(self, sequences: torch.Tensor, req: GenerationRequest):
-        from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-        return GenerateDecoderOnlyOutput(
+        lp = req.logprobs >= 0
+        return SpecGenerateOutput(
             sequences=sequences,
             scores=self._steps(self.scores) if req.output_scores else None,
             logits=self._steps(self.logits) if req.output_logits else None,
+            logprobs=tuple(t.squeeze(-1) for t in self._steps(self.chosen)) if lp else None,
+            top_logprobs=self._steps(self.top) if lp else None,
+            top_tokens=self._steps(self.top_ids, -1) if lp else None,
         )
+
+
+@dataclass
+class SpecGenerateOutput(GenerateDecoderOnlyOutput):
+    """transformers' ``GenerateDecoderOnlyOutput`` plus, with ``output_logprobs=n``, per step:
+    ``logprobs`` [B] (the emitted token's log-probability), ``top_logprobs`` [B, n] and
+    ``top_tokens`` [B, n] (the position's n most likely tokens). Rows that ended hold NaN / -1."""
+
+    logprobs: tuple | None = None
+    top_logprobs: tuple | None = None
+    top_tokens: tuple | None = None
 
 
 def stop_at(tokens: list[int], budget: int, eos, criteria, history: list[int], started: float | None,

@@ -128,3 +128,22 @@ def normalize_filters(vocab: int, top_k, top_p, min_p) -> tuple:
     top_p = None if top_p is None or top_p >= 1.0 else float(top_p)
     min_p = None if min_p is None or min_p <= 0.0 else float(min_p)
     return top_k, top_p, min_p
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [B, Q, V] processed logits, temperature already applied when sampling
+    tokens: torch.Tensor,  # [B, Q] long, the emitted token at each position (-1: none)
+    top_n: int,
+    sampling: bool,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities under the distribution each token was chosen from (the processed logits,
+    then top-k / top-p / min-p when sampling; greedy: the processed logits' softmax): (chosen
+    [B, Q], top-n values [B, Q, n], top-n token ids [B, Q, n])."""
+    x = warp_logits(logits, 1.0, top_k, top_p, min_p) if sampling else logits.float()
+    lp = torch.log_softmax(x, dim=-1)
+    chosen = lp.gather(-1, tokens.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    top = lp.topk(top_n, dim=-1) if top_n > 0 else (lp[..., :0], tokens.unsqueeze(-1)[..., :0])
+    return chosen, top[0], top[1]

@@ -397,3 +397,26 @@ def test_meta_device_models_are_refused_at_compile():
         specgraph.compile(m.eval(), "ngram", backend="eager")
     with pytest.raises(ValueError, match="meta"):
         specgraph.compile(tiny_model("llama"), m.eval(), backend="eager")
+
+
+@pytest.mark.parametrize("kind", ["self", "self-tree"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_output_logprobs_are_the_log_softmax_of_the_scores(llama, kind, sample):
+    """``output_logprobs=n``: each emitted token's log-probability and the top-n of its position,
+    computed in the round, equal the log-softmax of the scores transformers reports."""
+    fast = compile_fast(llama, "llama", kind)
+    ids, mask = left_pad(PROMPTS[3])
+    kw = dict(max_new_tokens=8, repetition_penalty=1.3, output_logprobs=3, output_scores=True)
+    if sample:
+        kw.update(do_sample=True, temperature=0.7, top_k=20, generator=torch.Generator().manual_seed(0))
+    out = fast.generate(ids, attention_mask=mask, **kw)
+    new = out.sequences[:, ids.shape[1]:]
+    for s, (score, lp, top, top_ids) in enumerate(zip(out.scores, out.logprobs, out.top_logprobs, out.top_tokens)):
+        ref = torch.log_softmax(score, dim=-1)
+        live = ~torch.isnan(lp)
+        assert live.any()
+        torch.testing.assert_close(lp[live], ref[live].gather(1, new[live, s:s + 1]).squeeze(1), rtol=1e-5, atol=1e-5)
+        want = ref[live].topk(3, dim=-1)
+        torch.testing.assert_close(top[live], want.values, rtol=1e-5, atol=1e-5)
+    if not sample:  # greedy: the chosen token is the most likely one
+        assert torch.equal(out.top_tokens[0][:, 0], new[:, 0])
