@@ -4,6 +4,8 @@ The pipeline, in order (see :func:`run_step_pipeline`):
 
 1. ``tree_attention_pass`` - every SDPA call reads the explicit additive mask input (prefix + tree
    ancestors), replacing the model's own causal-mask construction.
+   ``sliding_window_pass`` (models whose layers mix window and full attention only) - the
+   sliding layers' calls read the window band of that mask.
 2. ``gqa_fold_pass`` - grouped-query attention reads the cache once instead of repeating K/V heads.
 3. ``safe_dce_pass`` - drop what steps 1-2 made dead, keeping the in-place KV cache writes.
 4. ``attend_mask_width_pass`` - attention reads as many cache slots as the mask has columns, so
@@ -21,17 +23,22 @@ from .attend import attend_mask_width_pass, attend_prefix_pass
 from .attention import attention_nodes, tree_attention_pass
 from .dce import safe_dce_pass
 from .gqa import gqa_fold_pass
+from .window import banded_mask, sliding_window_pass
 
 STEP_PIPELINE = (tree_attention_pass, gqa_fold_pass, safe_dce_pass, attend_mask_width_pass)
 
 
-def run_step_pipeline(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, int]]:
-    """Apply the passes in order; returns the graph and the match count of each pass."""
+def run_step_pipeline(gm: fx.GraphModule, windows: tuple[list[str], int] | None = None
+                      ) -> tuple[fx.GraphModule, dict[str, int]]:
+    """Apply the passes in order; returns the graph and the match count of each pass.
+    ``windows``: (layer types, window) of a model mixing window and full attention layers."""
     counts = {}
     for p in STEP_PIPELINE:
         gm, n = p(gm)
         counts[p.__name__] = n
+        if p is tree_attention_pass and windows is not None:
+            gm, counts["sliding_window_pass"] = sliding_window_pass(gm, *windows)
     return gm, counts
 
 
-__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "gqa_fold_pass", "attend_prefix_pass", "attend_mask_width_pass", "safe_dce_pass", "attention_nodes"]
+__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "gqa_fold_pass", "attend_prefix_pass", "attend_mask_width_pass", "safe_dce_pass", "attention_nodes", "sliding_window_pass", "banded_mask"]

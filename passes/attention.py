@@ -19,7 +19,8 @@ def attention_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target in _MASK_ARG]
 
 
-def _set_mask(node: fx.Node, mask: fx.Node) -> None:
+def set_mask(node: fx.Node, mask: fx.Node) -> None:
+    """Make attention call ``node`` read ``mask`` (and not also causal)."""
     pos, kw = _MASK_ARG[node.target]
     if kw in node.kwargs or len(node.args) <= pos:
         node.kwargs = {**node.kwargs, kw: mask}
@@ -59,6 +60,6 @@ def tree_attention_pass(gm: fx.GraphModule, mask_placeholder: str = "mask") -> t
     if not nodes:
         raise ValueError("no scaled_dot_product_attention call in the graph")
     for n in nodes:
-        _set_mask(n, mask)
+        set_mask(n, mask)
     gm.recompile()
     return gm, len(nodes)

@@ -26,6 +26,8 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specgraph.passes.window import banded_mask
+
 
 class SlotLayer(CacheLayerMixin):
     """One layer's K/V, written at per-row slots; never concatenated."""
@@ -76,6 +78,9 @@ class Step(torch.nn.Module):
         self.trim = not all_logits and "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def forward(self, input_ids, position_ids, mask, slots, *kv):
+        windows = layer_windows(self.model)
+        if windows is not None:  # each layer kind its mask (transformers takes the mapping as is)
+            mask = {"full_attention": mask, "sliding_attention": banded_mask(mask, position_ids, windows[1])}
         out = self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
             past_key_values=SlotCache(kv, slots), use_cache=True, output_hidden_states=self.all_logits,
@@ -115,17 +120,22 @@ def check_supported(model) -> None:
     impl = getattr(model.config, "_attn_implementation", None)
     if impl != "sdpa":  # the mask pass rewrites SDPA calls; anything else is served by the eager fallback
         raise UnsupportedModel(f"attention implementation {impl!r} is not supported; load with attn_implementation='sdpa'")
-    window = getattr(c, "sliding_window", None)
     layer_types = getattr(c, "layer_types", None) or []
-    if window is not None and any(t != "full_attention" for t in layer_types):
-        raise UnsupportedModel(
-            f"sliding-window attention (window {window}) is not encoded in specgraph's masks yet; "
-            "set config.sliding_window=None if sequences stay inside the window"
-        )
-    for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(c, attr, None):
-            raise UnsupportedModel(f"{attr} models are not supported yet")
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if other:
+        raise UnsupportedModel(f"attention layer types {other} are not encoded in specgraph's masks")
     kv_layout(model)
+
+
+def layer_windows(model) -> tuple[list[str], int] | None:
+    """(layer types, window) of a model whose layers mix sliding-window and full attention; None
+    when every layer attends the same way (a uniform window is part of the step's mask itself)."""
+    c = model.config.get_text_config(decoder=True)
+    types = list(getattr(c, "layer_types", None) or [])
+    window = getattr(c, "sliding_window", None)
+    if window is None or "sliding_attention" not in types or all(t == "sliding_attention" for t in types):
+        return None
+    return types, int(window)
 
 
 @torch.no_grad()

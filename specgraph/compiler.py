@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specgraph import learned
-from specgraph.capture import Step, UnsupportedModel, capture_step, check_supported, new_kv_cache
+from specgraph.capture import Step, UnsupportedModel, capture_step, check_supported, layer_windows, new_kv_cache
 from specgraph.drafters import ChainDrafter, ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
@@ -793,7 +793,7 @@ class SpecGraphModel:
         key = (B, Q) if which == "target" else (which, B, Q)
         if key not in self._steps:
             model = self.model if which == "target" else self.draft_model
-            gm, counts = run_step_pipeline(capture_step(model, B, Q, self.slots))
+            gm, counts = run_step_pipeline(capture_step(model, B, Q, self.slots), layer_windows(model))
             self.pass_counts[key] = counts
             self._steps[key] = gm
         return self._steps[key]

@@ -92,7 +92,7 @@ from pathlib import Path
 
 import torch
 
-from specgraph.capture import capture_step, kv_layout, new_kv_cache
+from specgraph.capture import capture_step, kv_layout, layer_windows, new_kv_cache
 from specgraph.compiler import (
     NGRAM_MAX, NGRAM_MIN, SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES, compact_path, chain_logits, draft_logits,
     prefill_logits, scaled_logits, tree_logits,
@@ -496,7 +496,7 @@ def export_onnx(
             Q = {"verify": lambda: q + 1, "tree": lambda: q[0]}.get(kind, lambda: q)()
             if (which, Q) not in steps:  # greedy and sampling graphs of one query length share the captured step
                 with _export_env():
-                    gm, counts = run_step_pipeline(capture_step(src_model, B, Q, S))
+                    gm, counts = run_step_pipeline(capture_step(src_model, B, Q, S), layer_windows(src_model))
                 steps[which, Q] = gm
             step = steps[which, Q]
             kv = new_kv_cache(src_model, B, S)
