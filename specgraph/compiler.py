@@ -715,14 +715,22 @@ class SpecGraphModel:
         sampling modes: what :meth:`warmup` builds (see :mod:`specgraph.graphset`)."""
         return plan_graph_set(self, modes)
 
-    def warmup(self, modes=MODES, progress: bool = True) -> dict[str, float]:
+    def warmup(self, modes=MODES, progress: bool = True, generation_config=None) -> dict[str, float]:
         """Build every graph of :meth:`graph_plan` now, so that no ``generate`` call compiles:
         any prompt length up to ``max_seq_len``, any batch up to ``max_batch_size``, the given
         modes. Sampling graphs are built for temperature-only sampling (top-k / top-p / min-p are
         baked into a sampling graph: a request with other filters builds its graph on first use,
-        with a warning). ``progress``: a progress bar on stderr. Returns {graph: seconds}."""
+        with a warning). ``progress``: a progress bar on stderr. ``generation_config``: build the
+        rounds for requests with its logits processors instead (e.g. ``GenerationConfig(
+        repetition_penalty=1.1)``: each distinct processor setting has round graphs of its own).
+        Returns {graph: seconds}."""
         plan = self.graph_plan(modes)
         vocab = self.model.get_output_embeddings().weight.shape[0]
+        extras = None
+        if generation_config is not None:
+            spec = resolve(self.model, torch.ones(1, 1, dtype=torch.long), generation_config, vocab=vocab).logits
+            extras = RoundExtras(spec) if spec is not None else None
+            plan = [g for g in plan if g.kind in ("round", "tree")]  # the rounds are what processors change
         width = min(self.min_attend, self.slots - 1)
         bar = Progress(len(plan), progress, verb="building")
         seconds = {}
@@ -732,7 +740,7 @@ class SpecGraphModel:
                 for g in plan:
                     bar.start(g.name)
                     t0 = time.perf_counter()
-                    self._build(g, vocab, width)
+                    self._build(g, vocab, width, extras)
                     seconds[g.name] = time.perf_counter() - t0
                     bar.advance(g.name, seconds[g.name])
             finally:
@@ -741,7 +749,7 @@ class SpecGraphModel:
             self._warm = True
         return seconds
 
-    def _build(self, g: GraphSpec, vocab: int, width: int) -> None:
+    def _build(self, g: GraphSpec, vocab: int, width: int, extras: RoundExtras | None = None) -> None:
         """Run graph ``g`` once on placeholder inputs (its first call builds it)."""
         params = SamplingParams(0.0) if g.mode == "greedy" else self.default_sampling()
         if g.kind == "learned":  # a two-token generation runs the head's graphs for this batch and mode
@@ -751,10 +759,15 @@ class SpecGraphModel:
             self.stats = stats
             return
         args, _ = example_inputs(self, g, vocab)
+        proc = ()
+        if extras is not None and extras.logits is not None:  # placeholder processor state (see processors)
+            dev = args[0].device
+            proc = (torch.zeros(g.batch, 2 * self.slots, dtype=torch.long, device=dev),
+                    torch.tensor([[0, 1, self.slots]] * g.batch, device=dev))
         if g.kind == "round":
-            self._round_fn(g.batch, params, width, g.depth)(*args, *self._cache(g.batch))
+            self._round_fn(g.batch, params, width, g.depth, extras)(*args, *proc, *self._cache(g.batch))
         elif g.kind == "tree":
-            self._tree_round_fn(g.batch, params, width, g.tree)(*args, *self._cache(g.batch))
+            self._tree_round_fn(g.batch, params, width, g.tree, extras)(*args, *proc, *self._cache(g.batch))
         elif g.kind == "draft":
             self._draft_fn(g.batch, g.depth, params, width)(*args, *self._cache(g.batch, "draft"))
         elif g.kind == "draft_tree":
@@ -1279,10 +1292,11 @@ class SpecGraphModel:
             if attention_mask is not None:
                 attention_mask = attention_mask.repeat_interleave(req.num_return_sequences, dim=0)
         rows = self._rows(input_ids, attention_mask, req.max_new_tokens)
-        if self.fallback_reason is not None and (req.logits or req.stopping or req.return_dict):
-            raise UnsupportedSetting(
-                f"{', '.join(req.logits.names() if req.logits else []) or 'stopping criteria / scores'} need the "
-                f"compiled engine, and this model runs on the eager fallback ({self.fallback_reason})")
+        if self.fallback_reason is not None and (req.logits or req.stopping or req.return_dict or req.max_time):
+            what = (req.logits.names() if req.logits else []) + ["stopping criteria"] * bool(req.stopping) + \
+                ["max_time"] * bool(req.max_time) + ["scores / log-probabilities"] * bool(req.return_dict)
+            raise UnsupportedSetting(f"{', '.join(what)} need the compiled engine, and this model runs on the "
+                                     f"eager fallback ({self.fallback_reason})")
         stream = None if streamer is None else StepStreamer(streamer, prompt, len(rows), req.pad_token_id)
         with one_call(self):  # concurrent calls on one object share its KV caches: one at a time
             self.stats = Stats()  # per call

@@ -420,3 +420,19 @@ def test_output_logprobs_are_the_log_softmax_of_the_scores(llama, kind, sample):
         torch.testing.assert_close(top[live], want.values, rtol=1e-5, atol=1e-5)
     if not sample:  # greedy: the chosen token is the most likely one
         assert torch.equal(out.top_tokens[0][:, 0], new[:, 0])
+
+
+def test_warmup_with_a_generation_config_builds_the_processor_rounds(llama):
+    """After ``fast.warmup(generation_config=...)`` requests with those processors build nothing
+    (a build inside generate would warn: here that warning is an error)."""
+    import warnings
+
+    fast = specgraph.compile(llama, "ngram", backend="eager", max_seq_len=96, modes=("greedy",))
+    fast.warmup(("greedy",), progress=False, generation_config=GenerationConfig(repetition_penalty=1.3))
+    built = dict(fast.graphs_built)
+    ids = torch.tensor([rep([11, 42, 7], 9)])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*inside generate.*")
+        out = fast.generate(ids, max_new_tokens=20, repetition_penalty=1.3)
+    assert torch.equal(out, llama.generate(ids, max_new_tokens=20, repetition_penalty=1.3))
+    assert fast.graphs_built == built
