@@ -35,6 +35,30 @@ def set_mask(node: fx.Node, mask: fx.Node) -> None:
         node.args = node.args[:_IS_CAUSAL_POS] + (False,) + node.args[_IS_CAUSAL_POS + 1:]
 
 
+def mask_reaches_every_softmax(graph: fx.Graph, mask: fx.Node) -> bool:
+    """Eager attention: every softmax reads scores to which the mask input (or a value computed
+    from it, such as a sliding-window band) was added, and there is at least one."""
+    from_mask = {mask}
+    for n in graph.nodes:  # topological order; only through what a mask goes through (not the layers)
+        if n.op == "call_function" and n.target in _MASK_OPS and any(a in from_mask for a in n.all_input_nodes):
+            from_mask.add(n)
+    softmaxes = [n for n in graph.nodes if n.op == "call_function" and n.target in _SOFTMAX]
+    return bool(softmaxes) and all(
+        isinstance(n.args[0], fx.Node) and n.args[0].target is aten.add.Tensor
+        and any(a in from_mask for a in n.args[0].all_input_nodes) for n in softmaxes)
+
+
+_SOFTMAX = (aten.softmax.int, aten._softmax.default, torch.nn.functional.softmax)
+# ops a prepared mask passes through on its way to the scores: slicing, views, dtype casts, and a
+# sliding-window band (comparisons, where / masked_fill)
+_MASK_OPS = {
+    aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.expand.default, aten.unsqueeze.default,
+    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.clone.default, aten.alias.default,
+    aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.isneginf.default, aten.all.dim,
+    aten.all.default, aten.logical_not.default, aten.bitwise_not.default, aten.contiguous.default,
+}
+
+
 def tree_attention_pass(gm: fx.GraphModule, mask_placeholder: str = "mask") -> tuple[fx.GraphModule, int]:
     """Point the mask argument of every SDPA call at the step's mask input.
 
@@ -50,7 +74,8 @@ def tree_attention_pass(gm: fx.GraphModule, mask_placeholder: str = "mask") -> t
 
     so each query sees exactly the slots the mask allows (committed prefix + tree ancestors).
     Returns (gm, number of attention calls rewritten). Raises ``ValueError`` when the graph has no
-    SDPA call (eager attention cannot be rewritten safely: a bool mask through it is silently wrong).
+    SDPA call and the mask input does not already reach every attention softmax (transformers'
+    eager attention adds a prepared float mask to the scores as it is: 0 calls rewritten).
     """
     mask = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == mask_placeholder), None)
     if mask is None:
@@ -58,7 +83,10 @@ def tree_attention_pass(gm: fx.GraphModule, mask_placeholder: str = "mask") -> t
         raise ValueError(f"no placeholder named {mask_placeholder!r} (placeholders: {names})")
     nodes = attention_nodes(gm.graph)
     if not nodes:
-        raise ValueError("no scaled_dot_product_attention call in the graph")
+        if mask_reaches_every_softmax(gm.graph, mask):  # eager attention adds the mask input itself
+            return gm, 0
+        raise ValueError("no scaled_dot_product_attention call in the graph, and the mask input does not reach "
+                         "every attention softmax")
     for n in nodes:
         set_mask(n, mask)
     gm.recompile()

@@ -33,7 +33,8 @@ def sliding_window_pass(gm: fx.GraphModule, layer_types: list[str], window: int,
     After::    band = banded_mask(mask, position_ids, window)  # once
                o_i = sdpa(q, k, v, band)                      # layer_types[i] == "sliding_attention"
 
-    Returns (gm, attention calls banded). Raises ``ValueError`` when the number of attention calls
+    Eager attention (no SDPA call) keeps the band the step itself computed: 0 calls. Returns (gm,
+    attention calls banded). Raises ``ValueError`` when the number of attention calls
     is not the number of layers (the layer of a call would be a guess).
     """
     g = gm.graph
@@ -41,6 +42,8 @@ def sliding_window_pass(gm: fx.GraphModule, layer_types: list[str], window: int,
     if mask_placeholder not in ph or positions_placeholder not in ph:
         raise ValueError(f"placeholders {mask_placeholder!r} and {positions_placeholder!r} are needed, got {list(ph)}")
     nodes = attention_nodes(g)
+    if not nodes:  # eager attention: tree_attention_pass left the step's per-kind masks (banded) in place
+        return gm, 0
     if len(nodes) != len(layer_types):
         raise ValueError(f"{len(nodes)} attention calls for {len(layer_types)} layers: cannot tell the sliding ones")
     sliding = [n for n, t in zip(nodes, layer_types) if t == "sliding_attention"]

@@ -118,13 +118,29 @@ def check_supported(model) -> None:
     if getattr(c, "is_encoder_decoder", False):
         raise UnsupportedModel("encoder-decoder models are not supported (causal LMs only)")
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl != "sdpa":  # the mask pass rewrites SDPA calls; anything else is served by the eager fallback
-        raise UnsupportedModel(f"attention implementation {impl!r} is not supported; load with attn_implementation='sdpa'")
+    if impl not in ATTENTION:  # others (flash, flex, ...) take no additive float mask: the eager fallback serves them
+        raise UnsupportedModel(f"attention implementation {impl!r} is not supported; load with "
+                               "attn_implementation='sdpa' (or 'eager')")
+    if getattr(c, "alibi", False) or getattr(c, "model_type", None) in ("bloom", "mpt"):
+        raise UnsupportedModel("ALiBi attention builds its position biases from a 2-D padding mask, which the "
+                               "captured step replaces with its own 4-D mask")
     layer_types = getattr(c, "layer_types", None) or []
     other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if other:
         raise UnsupportedModel(f"attention layer types {other} are not encoded in specgraph's masks")
     kv_layout(model)
+
+
+# attention implementations whose captured step reads the step's additive float mask: SDPA (the
+# passes rewrite its calls) and transformers' eager attention (it adds the prepared mask to the
+# scores as it is; with the whole cache as keys: see full_width)
+ATTENTION = ("sdpa", "eager")
+
+
+def full_width(model) -> bool:
+    """Whether the model's attention reads the whole cache (eager attention: its key length is
+    fixed in the captured graph), so every round passes a mask over all slots."""
+    return getattr(model.config, "_attn_implementation", None) != "sdpa"
 
 
 def layer_windows(model) -> tuple[list[str], int] | None:
@@ -142,11 +158,6 @@ def layer_windows(model) -> tuple[list[str], int] | None:
 def capture_step(model, batch: int, q_len: int, slots: int) -> torch.fx.GraphModule:
     """Export one step for static shapes (B, Q, S) and return it as a flat-argument GraphModule."""
     check_supported(model)
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        raise UnsupportedModel(
-            "the tree-mask pass rewrites scaled_dot_product_attention calls; load the model with "
-            "attn_implementation='sdpa' (eager attention is served by the eager fallback)"
-        )
     p = next(model.parameters())
     args = (
         torch.zeros(batch, q_len, dtype=torch.long, device=p.device),

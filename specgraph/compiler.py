@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from specgraph import learned
-from specgraph.capture import Step, UnsupportedModel, capture_step, check_supported, layer_windows, new_kv_cache
+from specgraph.capture import (Step, UnsupportedModel, capture_step, check_supported, full_width, layer_windows,
+                               new_kv_cache)
 from specgraph.drafters import ChainDrafter, ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
@@ -604,6 +605,8 @@ class SpecGraphModel:
                 raise ValueError(f"cannot compile this target/draft pair: {e}") from e
             self.fallback_reason = str(e)
             warnings.warn(f"specgraph: cannot rewrite this model ({e}); falling back to the eager path", stacklevel=3)
+        # eager attention (target or draft) reads every cache slot: its rounds attend the full width
+        self.full_width = full_width(model) or (draft_model is not None and full_width(draft_model))
         self.window = _sliding_window(model)
         self.draft_window = None if draft_model is None else _sliding_window(draft_model)
         self._eager_step = Step(model)  # a head drafter's prefill: it reads the prompt's features
@@ -731,7 +734,7 @@ class SpecGraphModel:
             spec = resolve(self.model, torch.ones(1, 1, dtype=torch.long), generation_config, vocab=vocab).logits
             extras = RoundExtras(spec) if spec is not None else None
             plan = [g for g in plan if g.kind in ("round", "tree")]  # the rounds are what processors change
-        width = min(self.min_attend, self.slots - 1)
+        width = self.min_attend if self.full_width else min(self.min_attend, self.slots - 1)
         bar = Progress(len(plan), progress, verb="building")
         seconds = {}
         with self._lock, torch.no_grad():  # as generate runs them (grad mode is part of a graph's guards)
@@ -780,6 +783,8 @@ class SpecGraphModel:
     @property
     def min_attend(self) -> int:
         """Smallest attended cache width of a round (see MIN_ATTEND, MIN_ATTEND_CUDA)."""
+        if self.full_width:  # eager attention's key length is fixed in its graph: every round attends all slots
+            return self.slots
         on_cuda = next(self.model.parameters()).device.type == "cuda"
         return MIN_ATTEND_CUDA if on_cuda else MIN_ATTEND
 
@@ -815,11 +820,11 @@ class SpecGraphModel:
         """The attended slots 0 .. W-1 [W] long, a round's first input. W is capped at the last
         real slot (the scratch slot S - 1 is written by padding, never read by a live query). For
         Inductor its length is a dynamic dimension: one compiled graph serves every width."""
-        W = min(width, self.slots - 1)
+        W = self.slots if self.full_width else min(width, self.slots - 1)
         t = self._slot_inputs.get(W)
         if t is None:
             t = torch.arange(W, device=next(self.model.parameters()).device)
-            if self.backend == "inductor":
+            if self.backend == "inductor" and not self.full_width:
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=self.slots - 1)
             self._slot_inputs[W] = t
         return t

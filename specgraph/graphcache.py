@@ -92,6 +92,8 @@ def unsupported(fast) -> str | None:
         return f"backend={fast.backend!r} compiles nothing"
     if next(fast.model.parameters()).device.type != "cpu":
         return "graphs on CUDA are recorded as CUDA graphs by the JIT"
+    if fast.full_width:
+        return "eager attention reads the whole cache: its rounds are static-width graphs, built by the JIT"
     if fast.learned is not None or fast.draft not in (None, "ngram", "suffix"):
         return f"the {fast.draft!r} drafter's graphs are built by the JIT"
     return None

@@ -27,6 +27,7 @@ FAMILIES = {
     "mistral": dict(sliding_window=W), "ministral": dict(sliding_window=W),
     "qwen2": dict(use_sliding_window=True, sliding_window=W, max_window_layers=1),
     "gemma3_text": dict(sliding_window=W, sliding_window_pattern=2), "cohere2": dict(sliding_window=W),
+    "gemma2": dict(sliding_window=W),  # soft-capped attention: transformers runs it with eager attention
     "starcoder2": dict(sliding_window=W), "phi3": dict(sliding_window=W),
     "mixtral": dict(sliding_window=W, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1),
@@ -35,10 +36,14 @@ PROMPT = [[5, 9, 13, 9, 13, 9, 13, 21]]
 NEW = 52  # past the window of 8 several times over
 
 
-def tiny(family: str, seed: int = 0):
+def tiny(family: str, seed: int = 0, attn: str = "sdpa"):
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(family, **{**COMMON, **({} if family in NO_GQA else GQA), **FAMILIES[family]})
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    try:
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
+    except ValueError:  # no SDPA attention in this family (Gemma 2): transformers' eager attention
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
 
 
 def greedy(fast_or_model, ids):
@@ -111,13 +116,40 @@ def test_inductor_mixed_windows_equal_hf():
     assert torch.equal(greedy(fast, ids), greedy(model, ids))
 
 
-def test_eager_fallback_runs_past_the_window():
-    """Eager attention (no SDPA to rewrite) falls back to the eager path, which crops a full-length
-    cache: it runs past the window and equals HF."""
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mistral"])
+def test_eager_attention_runs_compiled_and_equals_hf(family):
+    """transformers' eager attention adds the step's prepared float mask to its scores: compiled,
+    every round attending the whole cache (its key length is fixed in the graph)."""
+    model = tiny(family, attn="eager")
+    assert model.config._attn_implementation == "eager"
+    ids = torch.tensor(PROMPT)
+    ref = greedy(model, ids)
+    for draft in ("ngram", tiny(family, seed=1, attn="eager"), tiny(family, seed=1)):
+        fast = specgraph.compile(model, draft, backend="eager", max_seq_len=96)
+        assert fast.fallback_reason is None and fast.full_width
+        assert torch.equal(greedy(fast, ids), ref), family
+
+
+def test_alibi_models_fall_back_and_equal_hf():
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model("qwen2", **{**COMMON, **GQA, **FAMILIES["qwen2"]})
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    cfg = AutoConfig.for_model("bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=128)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    fast = specgraph.compile(model, "ngram", backend="eager", max_seq_len=96)
+    assert "ALiBi" in fast.fallback_reason
+    ids = torch.tensor(PROMPT)
+    assert torch.equal(greedy(fast, ids), greedy(model, ids))
+
+
+def test_eager_fallback_runs_past_the_window(monkeypatch):
+    """The eager fallback crops a full-length cache: past a sliding window it runs and equals HF
+    (a cache of sliding layers cannot be cropped back past its window)."""
+    from specgraph.capture import UnsupportedModel
+
+    def refuse(model):
+        raise UnsupportedModel("forced fallback")
+    monkeypatch.setattr(sg_compiler, "check_supported", refuse)
+    model = tiny("qwen2")
     fast = specgraph.compile(model, "ngram", backend="eager", max_seq_len=128)
-    assert fast.fallback_reason is not None
+    assert fast.fallback_reason == "forced fallback"
     ids = torch.tensor(PROMPT)
     assert torch.equal(greedy(fast, ids), greedy(model, ids))
