@@ -258,7 +258,14 @@ def _sampling_kwargs(args, model_or_gc):
     if sample:  # filters not given: the model's own, as model.generate (transformers' default top-k 50)
         gkw.update(temperature=args.temperature,
                    **{k: v for k, v in (("top_k", args.top_k), ("top_p", args.top_p)) if v is not None})
+    gkw.update(_processor_kwargs(args))
     return gkw, sample
+
+
+def _processor_kwargs(args) -> dict:
+    """The logits-processor settings given on the command line (applied along drafted paths)."""
+    return {k: v for k, v in (("repetition_penalty", getattr(args, "repetition_penalty", None)),
+                              ("no_repeat_ngram_size", getattr(args, "no_repeat_ngram_size", None))) if v is not None}
 
 
 def _baked(value):
@@ -372,6 +379,13 @@ def _generate_jit(args) -> int:
         _die(str(e), 1)
     except ValueError as e:
         _die(str(e))
+    if _processor_kwargs(args):  # the processors' own round graphs, before generating
+        from transformers import GenerationConfig
+
+        _, extra_s = _timed(lambda: fast.warmup(("sample",) if sample else ("greedy",),
+                                                progress=not getattr(args, "quiet", False),
+                                                generation_config=GenerationConfig(**_processor_kwargs(args))))
+        build_s += extra_s
     if fast.tree_choice is not None:
         _progress(args, f"dynamic tree: depth {fast.k}, {fast.tree_choice['nodes']} nodes (measured here; predicted "
                         f"{fast.tree_choice['predicted_speedup']:.2f}x a plain step)")
@@ -530,6 +544,9 @@ def _generate_onnx(args, man) -> int:
     gen = OnnxSpecGenerator(d / man["onnx"]["dir"], _ort_providers(dev), num_threads=args.threads)
     ids = _chat_ids(tok, args.prompt)
     gkw, sample = _sampling_kwargs(args, man_generation(man))
+    if _processor_kwargs(args):
+        _die("--repetition-penalty / --no-repeat-ngram-size: ONNX Runtime runs no logits processors "
+             "(use --runtime pt2 or the model itself)")
     out, dt = _timed(lambda: gen.generate(ids, generator=torch.Generator().manual_seed(args.seed), **gkw))
     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     n_new = out.shape[1] - ids.shape[1]
@@ -985,6 +1002,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "as model.generate)")
     g.add_argument("--top-p", type=float, default=None,
                    help="nucleus sampling threshold (default: the model's generation config, else off)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="transformers' repetition penalty, applied at every drafted position (default: the model's)")
+    g.add_argument("--no-repeat-ngram-size", type=int, default=None,
+                   help="forbid repeating n-grams of this size, along drafted paths too (default: the model's)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     _add_device_flags(g, dir_ok=True)

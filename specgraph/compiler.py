@@ -595,6 +595,7 @@ class SpecGraphModel:
         self.max_seq_len = max_seq_len
         self.slots = max_seq_len + 1  # + scratch slot
         self.stats = Stats()
+        self._draft_processors = (None, ())  # (LogitsSpec, state) of the running call
         self.fallback_reason = None
         try:
             check_supported(model)
@@ -1146,22 +1147,33 @@ class SpecGraphModel:
                     torch._dynamo.mark_static_address(t)
         return self._kv[key]
 
-    def _draft_fn(self, B: int, Q: int, params: SamplingParams, width: int):
+    def _draft_fn(self, B: int, Q: int, params: SamplingParams, width: int, spec: LogitsSpec | None = None):
         """One draft-model step: feed Q tokens ending at position ``last``, propose the next token.
 
         The first step of a round feeds (previous token, root) so the draft cache catches up on the
         token it never saw when every draft of the last round was accepted (re-writing a slot that
         already holds the same K/V is harmless); later steps feed the previous draft token.
-        """
-        return self._graph(("draft", B, params, width, Q), width, lambda: self._build_draft(B, Q, params))
 
-    def _build_draft(self, B: int, Q: int, params: SamplingParams):
+        With logits processors (``spec``) the draft's logits go through them too, with the prefix the
+        drafted token assumes (``fn(tokens, last, active, expo, seq, meta, path [B, 1, K], depth
+        [B, 1], *kv)``): drafts the target's processors would forbid are not proposed. Verification
+        is exact either way; this raises acceptance.
+        """
+        key = params if spec is None else (params, RoundExtras(spec))
+        return self._graph(("draft", B, key, width, Q), width, lambda: self._build_draft(B, Q, params, spec))
+
+    def _build_draft(self, B: int, Q: int, params: SamplingParams, spec: LogitsSpec | None = None):
         S, window = self.slots, self.draft_window
         step = self._step(B, Q, which="draft")
+        n_proc = 0 if spec is None else 4
 
-        def draft_fn(cols, tokens, last, active, expo, *kv):
+        def draft_fn(cols, tokens, last, active, expo, *rest):
             # cols [W] attended slots, tokens [B, Q], last [B] position of the last fed token, expo [B, V] Exp(1) draws
+            proc, kv = rest[:n_proc], rest[n_proc:]
             logits = draft_logits(step, tokens, last, active, kv, S, cols, window)
+            if spec is not None:  # the drafted token's prefix: committed (root at last - depth) + drafts so far
+                seq, meta, path, depth = proc
+                logits = process_logits(spec, logits.unsqueeze(1), seq, meta, last - depth[:, 0], path, depth)[:, 0]
             if params.greedy:
                 return logits.argmax(dim=-1), logits
             q = warped_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
@@ -1247,12 +1259,18 @@ class SpecGraphModel:
         prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
         tokens, last = torch.stack([prev, root], dim=1), L
         drafts, probs = [], []
+        spec, proc = self._draft_processors
+        path = torch.zeros(B, 1, self.k, dtype=torch.long, device=device)  # this round's drafts so far
         for j in range(k):
             expo = _race_noise(B, V, device, generator, params.greedy)
-            fn = self._draft_fn(B, 2 if j == 0 else 1, params, width)
-            tok, q = fn(tokens, last, active, expo, *kv)
+            fn = self._draft_fn(B, 2 if j == 0 else 1, params, width, spec)
+            extra = () if spec is None else (*proc, path, torch.full((B, 1), j, dtype=torch.long, device=device))
+            tok, q = fn(tokens, last, active, expo, *extra, *kv)
             drafts.append(tok)
             probs.append(q)
+            if spec is not None:
+                path = path.clone()
+                path[:, 0, j] = tok
             tokens, last = tok.unsqueeze(1), last + 1
         drafts = torch.stack(drafts, dim=1)
         return drafts, (None if params.greedy else torch.stack(probs, dim=1))
@@ -1382,6 +1400,7 @@ class SpecGraphModel:
         hist = hist.to(device)
         # the logits processors' view of each row (padding included), and what the host checks stop on
         proc = () if req.logits is None else self._processor_state(rows, T, req, B, device)
+        self._draft_processors = (req.logits, proc)  # a draft model's proposals go through them too
         padded = [[req.pad_token_id] * (T - len(r)) + r for r in rows]
         score_log = ScoreLog(n_rows, req) if req.return_dict else None
         extras = RoundExtras(req.logits, req.output_scores or req.output_logits, req.logprobs)

@@ -239,6 +239,15 @@ def test_generate_json_holds_the_text_counts_and_settings(tiny):
     assert got["compare"]["equal_to_hf"] is True and got["compare"]["hf_tokens_per_second"] > 0
 
 
+def test_generate_with_logits_processors_equals_hf(tiny):
+    r = run("generate", tiny, "--prompt", PROMPT, "--max-new-tokens", 16, "--backend", "eager", "--json",
+            "--dtype", "float32", "--device", "cpu", "--repetition-penalty", "1.3", "--no-repeat-ngram-size", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["compare"]["equal_to_hf"] is True, got
+    assert "inside generate" not in r.stderr  # the processors' graphs were built before generating
+
+
 def test_generate_in_bfloat16_reports_the_dtype(tiny):
     r = run("generate", tiny, "--prompt", PROMPT, "--max-new-tokens", 6, "--backend", "eager", "--json",
             "--dtype", "bfloat16", "--no-compare")

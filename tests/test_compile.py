@@ -510,15 +510,17 @@ def test_rejects_temperature_that_overflows_the_logits(llama):
     assert torch.equal(out, fast.generate(ids, max_new_tokens=3))
 
 
-def test_eager_attention_falls_back_with_warning_and_stays_exact():
+def test_eager_attention_runs_compiled_and_stays_exact():
+    """transformers' eager attention reads the step's prepared float mask: no fallback, rounds at
+    full width, equal to HF (a padded batch included)."""
     model = tiny_model("llama", attn="eager")
-    with pytest.warns(UserWarning, match="falling back to the eager path"):
-        fast = specgraph.compile(model, "ngram", backend="eager", max_seq_len=64)
-    assert fast.fallback_reason is not None
-    ids, mask = left_pad(PROMPT_1)
-    ref = hf_generate(model, ids, mask)
-    out = sg_generate(fast, ids, mask)
-    assert_same(model, ids, mask, ref, out, "eager-attention fallback")
+    fast = specgraph.compile(model, "ngram", backend="eager", max_batch_size=4, max_seq_len=64)
+    assert fast.fallback_reason is None and fast.full_width
+    for rows in (PROMPT_1, PROMPTS_4):
+        ids, mask = left_pad(rows)
+        ref = hf_generate(model, ids, mask)
+        out = sg_generate(fast, ids, mask)
+        assert_same(model, ids, mask, ref, out, "eager attention")
 
 
 @torch.no_grad()

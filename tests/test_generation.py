@@ -436,3 +436,56 @@ def test_warmup_with_a_generation_config_builds_the_processor_rounds(llama):
         out = fast.generate(ids, max_new_tokens=20, repetition_penalty=1.3)
     assert torch.equal(out, llama.generate(ids, max_new_tokens=20, repetition_penalty=1.3))
     assert fast.graphs_built == built
+
+
+def random_eagle(target):
+    """An EAGLE head bound to the target, perturbed from a pass-through start so some drafts are
+    accepted."""
+    from specgraph.heads import EagleHead
+
+    head = EagleHead(target.config)
+    head.bind(target)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        H = target.config.hidden_size
+        head.fc.weight[:, :H] += torch.eye(H)
+        head.out_norm.weight.copy_(target.model.norm.weight)
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return head.eval()
+
+
+@pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]], ids=["chain", "tree"])
+def test_eagle_greedy_equals_model_generate_under_processors(tree):
+    model = tiny_model("llama")
+    fast = specgraph.compile(model, random_eagle(model), num_speculative_tokens=3, tree=tree, backend="eager",
+                             max_batch_size=4, max_seq_len=96)
+    for B, rows in PROMPTS.items():
+        ids, mask = left_pad(rows)
+        for name in ("repetition_penalty", "no_repeat_ngram", "everything"):
+            kw = SETTINGS[name]
+            ref = model.generate(ids, attention_mask=mask, **kw)
+            assert torch.equal(fast.generate(ids, attention_mask=mask, **kw), ref), f"EAGLE B={B} {name}"
+
+
+@pytest.mark.parametrize("name", ["repetition_penalty", "no_repeat_ngram", "everything"])
+def test_draft_model_proposals_go_through_the_processors(name, monkeypatch):
+    """The target drafting for itself accepts every draft under logits processors: its proposals
+    are processed with the prefix each assumes, as the target's verification is. Negative control:
+    unprocessed proposals are rejected where the processors change the argmax (output still exact)."""
+    model = tiny_model("llama")
+    fast = compile_fast(model, "llama", "self")
+    ids, mask = left_pad(PROMPTS[3])
+    kw = SETTINGS[name]
+    ref = model.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, **kw), ref)
+    assert fast.stats.accepted == fast.stats.drafted > 0, fast.stats
+
+    orig = sg_compiler.SpecGraphModel._propose_with_draft_model
+
+    def unprocessed(self, *args):
+        self._draft_processors = (None, ())
+        return orig(self, *args)
+    monkeypatch.setattr(sg_compiler.SpecGraphModel, "_propose_with_draft_model", unprocessed)
+    assert torch.equal(fast.generate(ids, attention_mask=mask, **kw), ref)
+    assert fast.stats.accepted < fast.stats.drafted, fast.stats
