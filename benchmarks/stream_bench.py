@@ -207,7 +207,10 @@ def main(argv=None) -> int:
         t = totals[m]
         ref = outputs.get(reference_of(m))  # HF plain with the same settings
         equal = None if ref is None else all(torch.equal(a, b) for a, b in zip(outputs[m], ref))
-        rows.append({"method": m, **t, "tokens_per_s": t["tokens"] / t["seconds"], **startup[m], "equal_to_hf": equal})
+        per_round = {"tokens_per_round": t["tokens"] / t["rounds"], "ms_per_round": 1000 * t["seconds"] / t["rounds"]} \
+            if t["rounds"] else {}
+        rows.append({"method": m, **t, "tokens_per_s": t["tokens"] / t["seconds"], **per_round, **startup[m],
+                     "equal_to_hf": equal})
     if args.vllm_python:
         rows += vllm_rows(args, outputs.get("hf plain"), calls, eos)
     hf_of = {r["method"]: r["tokens_per_s"] for r in rows if r["method"] in ("hf plain", "hf plain rp")}

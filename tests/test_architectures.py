@@ -153,3 +153,12 @@ def test_eager_fallback_runs_past_the_window(monkeypatch):
     assert fast.fallback_reason == "forced fallback"
     ids = torch.tensor(PROMPT)
     assert torch.equal(greedy(fast, ids), greedy(model, ids))
+
+
+def test_inductor_eager_attention_equals_hf():
+    """Gemma 2 (eager attention, soft-capping, mixed windows) under Inductor: full-width rounds."""
+    model = tiny("gemma2")
+    ids = torch.tensor(PROMPT)
+    fast = specgraph.compile(model, "ngram", backend="inductor", max_seq_len=96, modes=("greedy",), cache=False)
+    assert fast.fallback_reason is None and fast.full_width and fast.graph_cache is None
+    assert torch.equal(greedy(fast, ids), greedy(model, ids))
