@@ -48,6 +48,19 @@ def mask_reaches_every_softmax(graph: fx.Graph, mask: fx.Node) -> bool:
         and any(a in from_mask for a in n.args[0].all_input_nodes) for n in softmaxes)
 
 
+def _point_score_masks(graph: fx.Graph, mask: fx.Node) -> int:
+    """Eager attention whose mask the model built itself: ``softmax(scores + model_mask)`` becomes
+    ``softmax(scores + mask)``. Returns the number of softmaxes rewired."""
+    n = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _SOFTMAX and isinstance(node.args[0], fx.Node):
+            add = node.args[0]
+            if add.target is aten.add.Tensor and len(add.args) == 2 and isinstance(add.args[1], fx.Node):
+                add.args = (add.args[0], mask)
+                n += 1
+    return n
+
+
 _SOFTMAX = (aten.softmax.int, aten._softmax.default, torch.nn.functional.softmax)
 # ops a prepared mask passes through on its way to the scores: slicing, views, dtype casts, and a
 # sliding-window band (comparisons, where / masked_fill)
@@ -85,6 +98,10 @@ def tree_attention_pass(gm: fx.GraphModule, mask_placeholder: str = "mask") -> t
     if not nodes:
         if mask_reaches_every_softmax(gm.graph, mask):  # eager attention adds the mask input itself
             return gm, 0
+        n = _point_score_masks(gm.graph, mask)  # eager attention with a model-built mask (ALiBi models)
+        if n and mask_reaches_every_softmax(gm.graph, mask):
+            gm.recompile()
+            return gm, n
         raise ValueError("no scaled_dot_product_attention call in the graph, and the mask input does not reach "
                          "every attention softmax")
     for n in nodes:

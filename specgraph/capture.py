@@ -79,7 +79,9 @@ class Step(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, mask, slots, *kv):
         windows = layer_windows(self.model)
-        if windows is not None:  # each layer kind its mask (transformers takes the mapping as is)
+        if uses_alibi(self.model):  # no mask: transformers' ALiBi biases then count slots (= positions); the
+            mask = None             # pipeline points each layer's score mask at the step's mask input
+        elif windows is not None:  # each layer kind its mask (transformers takes the mapping as is)
             mask = {"full_attention": mask, "sliding_attention": banded_mask(mask, position_ids, windows[1])}
         out = self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
@@ -121,8 +123,8 @@ def check_supported(model) -> None:
     if impl not in ATTENTION:  # others (flash, flex, ...) take no additive float mask: the eager fallback serves them
         raise UnsupportedModel(f"attention implementation {impl!r} is not supported; load with "
                                "attn_implementation='sdpa' (or 'eager')")
-    if getattr(c, "alibi", False) or getattr(c, "model_type", None) in ("bloom", "mpt"):
-        raise UnsupportedModel("ALiBi attention builds its position biases from a 2-D padding mask, which the "
+    if getattr(c, "alibi", False) and getattr(c, "model_type", None) != "bloom" or getattr(c, "model_type", None) == "mpt":
+        raise UnsupportedModel("this ALiBi attention builds its position biases from a 2-D padding mask, which the "
                                "captured step replaces with its own 4-D mask")
     layer_types = getattr(c, "layer_types", None) or []
     other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
@@ -135,6 +137,12 @@ def check_supported(model) -> None:
 # passes rewrite its calls) and transformers' eager attention (it adds the prepared mask to the
 # scores as it is; with the whole cache as keys: see full_width)
 ATTENTION = ("sdpa", "eager")
+
+
+def uses_alibi(model) -> bool:
+    """Bloom's ALiBi: position biases from the key's index in the cache (slot = position for every
+    committed key and every chain draft; tree nodes are not at their positions, so trees are refused)."""
+    return getattr(model.config, "model_type", None) == "bloom"
 
 
 def full_width(model) -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from specgraph import learned
 from specgraph.capture import (Step, UnsupportedModel, capture_step, check_supported, full_width, layer_windows,
-                               new_kv_cache)
+                               new_kv_cache, uses_alibi)
 from specgraph.drafters import ChainDrafter, ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
@@ -536,6 +536,9 @@ class SpecGraphModel:
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be a positive int, got {num_speculative_tokens!r}")
         self.tree, self.tree_rank = self._parse_tree(tree, draft)
+        if self.tree is not None and (uses_alibi(model) or (draft_model is not None and uses_alibi(draft_model))):
+            raise ValueError("ALiBi models (Bloom) run chains, not trees: their position biases count cache slots, "
+                             "and a tree's nodes do not sit at their positions")
         # EAGLE-2 trees: how many drafted nodes a round verifies (and how deep), from this machine's costs
         self.tree_nodes, self.tree_choice = None, None
         if tree_nodes != "auto":

@@ -130,14 +130,44 @@ def test_eager_attention_runs_compiled_and_equals_hf(family):
         assert torch.equal(greedy(fast, ids), ref), family
 
 
-def test_alibi_models_fall_back_and_equal_hf():
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model("bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=128)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+def bloom(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=128, initializer_range=0.2)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_alibi_runs_compiled_chains_and_equals_hf():
+    """Bloom's ALiBi biases count cache slots, which are positions for committed keys and chain
+    drafts: compiled chains (prompt lookup, a draft model, the target drafting for itself) equal HF
+    in a left-padded batch; trees are refused."""
+    model = bloom()
+    rows = [[5, 9, 13, 9, 13, 9, 13, 21, 30, 40, 50], [7, 8, 9]]
+    ids = torch.zeros(2, 11, dtype=torch.long)
+    mask = torch.zeros(2, 11, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, 11 - len(r):], mask[b, 11 - len(r):] = torch.tensor(r), 1
+    kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=[], pad_token_id=0)
+    ref = model.generate(ids, attention_mask=mask, **kw)
+    for draft in ("ngram", bloom(1), model):
+        fast = specgraph.compile(model, draft, backend="eager", max_batch_size=2, max_seq_len=96)
+        assert fast.fallback_reason is None and fast.full_width
+        assert torch.equal(fast.generate(ids, attention_mask=mask, **kw), ref)
+    assert fast.stats.accepted == fast.stats.drafted > 0  # self-drafting: a bias or mask bug shows as rejections
+    with pytest.raises(ValueError, match="ALiBi"):
+        specgraph.compile(model, "ngram", tree=[(0,), (1,)], backend="eager", max_seq_len=96)
+
+
+def test_negative_control_alibi_with_the_model_built_mask_differs(monkeypatch):
+    """Keeping the model's own causal mask (built for a fresh sequence: it knows nothing of the
+    committed slots) instead of pointing the score masks at the step's mask: output leaves HF's."""
+    import specgraph.passes.attention as attention
+
+    monkeypatch.setattr(attention, "mask_reaches_every_softmax", lambda graph, mask: True)
+    model = bloom()
     fast = specgraph.compile(model, "ngram", backend="eager", max_seq_len=96)
-    assert "ALiBi" in fast.fallback_reason
-    ids = torch.tensor(PROMPT)
-    assert torch.equal(greedy(fast, ids), greedy(model, ids))
+    kw = dict(max_new_tokens=30, do_sample=False, eos_token_id=[], pad_token_id=0)
+    ids = torch.tensor([[5, 9, 13, 9, 13, 9, 13, 21, 30, 40, 50]])
+    assert not torch.equal(fast.generate(ids, **kw), model.generate(ids, **kw))
 
 
 def test_eager_fallback_runs_past_the_window(monkeypatch):
