@@ -13,10 +13,10 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import LlamaConfig, AutoModelForCausalLM
 
 import specgraph
+from law import gof_pvalue
 import specgraph.compiler as sg_compiler
 import specgraph.learned as sg_learned
 from specgraph.drafters import layer_skip
@@ -78,18 +78,6 @@ def sampled_counts(fast, settings, seed: int) -> torch.Tensor:
         assert new.shape[1] == 3
         counts.view(-1).index_add_(0, (new[:, 0] * V * V + new[:, 1] * V + new[:, 2]), torch.ones(BATCH, dtype=torch.float64))
     return counts
-
-
-def gof_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
-    n = counts.sum()
-    expected = (law * n).flatten()
-    observed = counts.flatten()
-    assert observed[expected == 0].sum() == 0, "a continuation of probability 0 was emitted"
-    small = expected < 5
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    obs = torch.cat([observed[~small], observed[small].sum().view(1)])
-    keep = exp > 0
-    return float(chisquare(obs[keep].numpy(), exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue)
 
 
 TREE = [(0,), (1,), (0, 0), (1, 0)]  # depth 2: two candidates, each with one child

@@ -12,7 +12,6 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaConfig
 from transformers.generation.logits_process import (
     LogitsProcessorList, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
@@ -20,6 +19,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 
 import specgraph
+from law import gof_pvalue
 import specgraph.compiler as sg_compiler
 from specgraph.generation import UnsupportedSetting
 from specgraph.warping import warped_probs
@@ -312,17 +312,6 @@ def processed_law(model, procs) -> torch.Tensor:
         for b in range(V):
             law[a, b] = p1[a] * p2[b] * dist(PROMPT + [a, b])
     return law
-
-
-def gof_pvalue(counts, law) -> float:
-    n = counts.sum()
-    expected, observed = (law * n).flatten(), counts.flatten()
-    assert observed[expected == 0].sum() == 0, "a continuation of probability 0 was emitted"
-    small = expected < 5
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    obs = torch.cat([observed[~small], observed[small].sum().view(1)])
-    keep = exp > 0
-    return float(chisquare(obs[keep].numpy(), exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue)
 
 
 def sampled_counts(fast, kw, seed: int) -> torch.Tensor:
