@@ -29,7 +29,8 @@ _INERT = {
 _BEAM_ONLY = {"length_penalty", "early_stopping"}
 # speculation knobs of transformers' own assisted generation: inert without an assistant
 _ASSISTANT_KNOBS = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
-                    "assistant_lookbehind", "target_lookbehind", "assistant_early_exit", "max_matching_ngram_size"}
+                    "assistant_lookbehind", "target_lookbehind", "assistant_early_exit", "max_matching_ngram_size",
+                    "assistant_ensemble_weight"}
 # handled by the engine (resolved below)
 _HANDLED = {
     "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
@@ -138,8 +139,11 @@ def _refuse_unsupported(cfg) -> None:
     if (cfg.num_beams or 1) > 1:
         raise UnsupportedSetting(f"num_beams={cfg.num_beams} (beam search) is not supported by specgraph: "
                                  "it speculates on sampling and greedy decoding; use model.generate for beam search")
+    # a setting of this transformers version's GenerationConfig that is not handled here (a newer
+    # one) is refused; custom entries of a model's config, which generate itself ignores, are not
     known = _INERT | _BEAM_ONLY | _ASSISTANT_KNOBS | _HANDLED | {n for n, _, _ in _REFUSED}
-    extra = {k for k in cfg.to_dict() if k not in known and getattr(cfg, k, None) not in (None, False)}
+    fields = set(type(cfg)().to_dict())
+    extra = {k for k in cfg.to_dict() if k in fields and k not in known and getattr(cfg, k, None) not in (None, False)}
     if extra:
         raise UnsupportedSetting(f"generation settings {sorted(extra)} are not known to specgraph; "
                                  "refusing rather than ignoring them")

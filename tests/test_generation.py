@@ -478,3 +478,11 @@ def test_draft_model_proposals_go_through_the_processors(name, monkeypatch):
     monkeypatch.setattr(sg_compiler.SpecGraphModel, "_propose_with_draft_model", unprocessed)
     assert torch.equal(fast.generate(ids, attention_mask=mask, **kw), ref)
     assert fast.stats.accepted < fast.stats.drafted, fast.stats
+
+
+def test_custom_entries_of_a_model_generation_config_are_ignored_as_transformers_does():
+    model = tiny_model("llama")
+    model.generation_config.update(my_custom_entry=3, allow_custom_entries=True)
+    fast = specgraph.compile(model, "ngram", backend="eager", max_seq_len=96)
+    ids = torch.tensor([[11, 42, 7]])
+    assert torch.equal(fast.generate(ids, max_new_tokens=5), model.generate(ids, max_new_tokens=5))
