@@ -1284,10 +1284,11 @@ class SpecGraphModel:
     @torch.no_grad()
     def generate(
         self,
-        input_ids: torch.Tensor,  # [B, T] long, left-padded batches via attention_mask
+        input_ids: torch.Tensor | None = None,  # [B, T] long, left-padded batches via attention_mask
         attention_mask: torch.Tensor | None = None,  # [B, T]
         generation_config=None,
         *,
+        inputs: torch.Tensor | None = None,  # model.generate's name for input_ids
         logits_processor=None,
         stopping_criteria=None,
         streamer=None,
@@ -1305,6 +1306,9 @@ class SpecGraphModel:
         ``output_logprobs=n`` (n >= 0, an addition for serving): the output also carries each
         emitted token's log-probability and the top-n of its position
         (:class:`specgraph.generation.SpecGenerateOutput`), computed inside the round."""
+        if (input_ids is None) == (inputs is None):
+            raise ValueError("pass the prompt token ids as input_ids (or inputs, as model.generate names them), once")
+        input_ids = input_ids if input_ids is not None else inputs
         vocab = self.model.get_output_embeddings().weight.shape[0]
         req = resolve(self.model, input_ids, generation_config, logits_processor=logits_processor,
                       stopping_criteria=stopping_criteria, tokenizer=tokenizer, vocab=vocab, **kwargs)

@@ -486,3 +486,13 @@ def test_custom_entries_of_a_model_generation_config_are_ignored_as_transformers
     fast = specgraph.compile(model, "ngram", backend="eager", max_seq_len=96)
     ids = torch.tensor([[11, 42, 7]])
     assert torch.equal(fast.generate(ids, max_new_tokens=5), model.generate(ids, max_new_tokens=5))
+
+
+def test_prompt_by_either_name(llama):
+    fast = specgraph.compile(llama, "ngram", backend="eager", max_seq_len=96)
+    ids = torch.tensor([[11, 42, 7]])
+    ref = llama.generate(inputs=ids, max_new_tokens=5)
+    assert torch.equal(fast.generate(inputs=ids, max_new_tokens=5), ref)
+    assert torch.equal(fast.generate(input_ids=ids, max_new_tokens=5), ref)
+    with pytest.raises(ValueError, match="input_ids"):
+        fast.generate(max_new_tokens=5)
