@@ -30,6 +30,7 @@ import torch
 from transformers import GenerationConfig
 
 import specgraph
+from specgraph.api import prepare_settings
 from specgraph.models import load_model
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
             fast, build_s = built_fast[base]
             if m.endswith(" rp"):  # the processor's own round graphs, built before the stream (start-up)
                 t1 = time.perf_counter()
-                fast.warmup(("greedy",), generation_config=GenerationConfig(repetition_penalty=args.repetition_penalty))
+                prepare_settings(fast, GenerationConfig(repetition_penalty=args.repetition_penalty), ("greedy",))
                 build_s += time.perf_counter() - t1
             runners[m] = lambda ids, mask, fast=fast, gkw=gkw: fast.generate(ids, attention_mask=mask, **gkw)
             startup[m] = {"load_s": load_s, "build_s": build_s, "graphs": len(fast.graphs_built) or len(fast.graph_plan(("greedy",))),

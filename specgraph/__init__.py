@@ -34,7 +34,7 @@ def _import_installed_kernels() -> None:
 _import_installed_kernels()
 
 from specgraph import perfmodel
-from specgraph.api import compile
+from specgraph.api import compile, prepare_settings
 from specgraph.compiler import SpecGraphModel
 from specgraph.onnx_export import export_onnx
 from specgraph.planner import Plan, plan
@@ -45,6 +45,6 @@ from specgraph.warping import SamplingParams, is_greedy, warp_logits, warped_pro
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "SpecGraphModel", "export_onnx", "verify_chain", "verify_tree", "warp_logits", "warped_probs", "is_greedy", "SamplingParams",
+    "compile", "prepare_settings", "SpecGraphModel", "export_onnx", "verify_chain", "verify_tree", "warp_logits", "warped_probs", "is_greedy", "SamplingParams",
     "TreeSpec", "ancestor_mask", "tree_from_paths", "tree_positions", "perfmodel", "plan", "Plan", "__version__",
 ]

@@ -24,6 +24,7 @@ def compile(
     modes=MODES,
     progress: bool = True,
     cache=None,
+    generation_config=None,
 ) -> SpecGraphModel:
     fast = compiler.compile(model, draft, num_speculative_tokens=num_speculative_tokens, tree=tree, backend=backend,
                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, freeze=freeze, depths=depths,
@@ -32,8 +33,28 @@ def compile(
         return fast
     if graphcache.enabled(cache):
         fast.graph_cache = graphcache.load_or_build(fast, modes, progress=progress, root=graphcache.root_of(cache))
+        fast.graph_cache_root = graphcache.root_of(cache)
     fast.warmup(modes, progress=progress and fast.graph_cache is None)
+    if generation_config is not None:
+        prepare_settings(fast, generation_config, modes, progress)
     return fast
+
+
+def prepare_settings(fast: SpecGraphModel, generation_config, modes=MODES, progress: bool = True) -> None:
+    """Build (or load from the graph cache, when ``fast`` is served by one) the rounds of
+    ``generation_config``'s logits processors, so requests with them build nothing."""
+    logits = fast.logits_spec(generation_config)
+    if logits is None:
+        return
+    if fast.graph_cache is not None:
+        extra = graphcache.load_or_build(fast, modes, progress=progress, root=fast.graph_cache_root,
+                                         logits=logits)
+        if extra is not None:
+            info = fast.graph_cache
+            fast.graph_cache = {**info, "hit": info["hit"] and extra["hit"], "built": info["built"] + extra["built"],
+                                "loaded": info["loaded"] + extra["loaded"], "frozen": info["frozen"] + extra["frozen"],
+                                "seconds": round(info["seconds"] + extra["seconds"], 2)}
+    fast.warmup(modes, progress=progress and fast.graph_cache is None, generation_config=generation_config)
 
 
 compile.__doc__ = compiler.compile.__doc__ + """
@@ -46,4 +67,8 @@ compile.__doc__ = compiler.compile.__doc__ + """
     ``~/.cache/specgraph/graphs``; ``SPECGRAPH_GRAPH_CACHE=off`` turns the default off); a path:
     on, under that folder; ``False``: off (the JIT builds the set). ``fast.graph_cache`` says what
     happened (hit or built, seconds, packages loaded), None when no cache served the object.
+
+    ``generation_config``: a ``GenerationConfig`` whose logits processors (repetition penalty,
+    no-repeat n-grams, ...) requests will use: their rounds are built (and cached) too, so those
+    requests build nothing either.
     """

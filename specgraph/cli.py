@@ -382,9 +382,11 @@ def _generate_jit(args) -> int:
     if _processor_kwargs(args):  # the processors' own round graphs, before generating
         from transformers import GenerationConfig
 
-        _, extra_s = _timed(lambda: fast.warmup(("sample",) if sample else ("greedy",),
-                                                progress=not getattr(args, "quiet", False),
-                                                generation_config=GenerationConfig(**_processor_kwargs(args))))
+        from specgraph.api import prepare_settings
+
+        _, extra_s = _timed(lambda: prepare_settings(fast, GenerationConfig(**_processor_kwargs(args)),
+                                                     ("sample",) if sample else ("greedy",),
+                                                     progress=not getattr(args, "quiet", False)))
         build_s += extra_s
     if fast.tree_choice is not None:
         _progress(args, f"dynamic tree: depth {fast.k}, {fast.tree_choice['nodes']} nodes (measured here; predicted "

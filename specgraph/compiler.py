@@ -624,6 +624,7 @@ class SpecGraphModel:
         self.graphs_built: dict[str, float] = {}  # graph name -> seconds its first call (the build) took
         self._warm = self._warming = False  # warmup() ran / is running
         self.graph_cache = None  # what specgraph.compile's graph cache did for this object (specgraph.graphcache)
+        self.graph_cache_root = None  # the folder of that cache (None: the default)
         self._prefill_graph = None
         self._kv: dict = {}
         self.pass_counts: dict = {}
@@ -676,6 +677,11 @@ class SpecGraphModel:
         self._fns = graphs
         self._bound = {}
         self._prefill_graph = prefill
+
+    def graphs_in_use(self):
+        """The mapping given to :meth:`use_graphs` (graphs built here are added to it), or this
+        object's own graphs."""
+        return self._fns
 
     def graph_key(self, kind: str, batch: int, params: SamplingParams, width: int | None, shape) -> tuple:
         """The key :meth:`use_graphs` mappings are asked for: ``kind`` "round" (``shape`` = chain
@@ -735,7 +741,7 @@ class SpecGraphModel:
         vocab = self.model.get_output_embeddings().weight.shape[0]
         extras = None
         if generation_config is not None:
-            spec = resolve(self.model, torch.ones(1, 1, dtype=torch.long), generation_config, vocab=vocab).logits
+            spec = self.logits_spec(generation_config)
             extras = RoundExtras(spec) if spec is not None else None
             plan = [g for g in plan if g.kind in ("round", "tree")]  # the rounds are what processors change
         width = self.min_attend if self.full_width else min(self.min_attend, self.slots - 1)
@@ -940,6 +946,10 @@ class SpecGraphModel:
     @property
     def vocab(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
+
+    def logits_spec(self, generation_config) -> LogitsSpec | None:
+        """The logits processors requests with ``generation_config`` run (None: none)."""
+        return resolve(self.model, torch.ones(1, 1, dtype=torch.long), generation_config, vocab=self.vocab).logits
 
     def default_sampling(self) -> SamplingParams:
         """The graph settings of a plain ``do_sample=True`` request on this model: its

@@ -176,7 +176,9 @@ def _logits_spec(cfg, eos: tuple[int, ...], T: int, vocab: int) -> LogitsSpec | 
         repetition_penalty=None if rp is None or rp == 1.0 else float(rp),
         no_repeat_ngram_size=int(cfg.no_repeat_ngram_size or 0),
         bad_words=bad,
-        min_length=int(cfg.min_length or 0) if eos else 0,
+        # transformers replaces min_length by min_new_tokens + T when min_new_tokens is set: the same
+        # condition as min_new_tokens' own, so the spec keeps one (and stays independent of T)
+        min_length=int(cfg.min_length or 0) if eos and cfg.min_new_tokens is None else 0,
         min_new_tokens=int(cfg.min_new_tokens or 0) if eos else 0,
         eos=eos,
         forced_bos_token_id=cfg.forced_bos_token_id,
@@ -247,8 +249,6 @@ def resolve(model, input_ids, generation_config=None, *, logits_processor=None, 
     if T >= max_length:
         raise ValueError(f"Input length of input_ids is {T}, but `max_length` is set to {max_length}. "
                          "Consider increasing `max_length` or, better yet, setting `max_new_tokens`.")
-    if cfg.min_new_tokens is not None:
-        cfg.min_length = cfg.min_new_tokens + T
     cfg.max_length = max_length
     eos = _token_list(cfg.eos_token_id)
     if any(t < 0 for t in eos):

@@ -34,6 +34,7 @@ the CPU are packaged; other objects build their graphs with the JIT (:meth:`Spec
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -143,23 +144,29 @@ class CachedGraphs(dict):
         if key[0] not in ("round", "tree"):
             return False
         kind, batch, params, _, shape = key
-        if not isinstance(params, SamplingParams):  # a round with logits processors or score outputs
-            return False
+        logits = None
+        if not isinstance(params, SamplingParams):  # (settings, RoundExtras): processors are packaged, scores not
+            params, extras = params
+            if extras.scores or extras.logprobs >= 0:
+                return False
+            logits = extras.logits
         if not params.greedy and params != self.sampling:
             return False
-        pkg = self.packages.get(package_key(kind, batch, shape, "greedy" if params.greedy else "sample"))
+        pkg = self.packages.get(package_key(kind, batch, shape, "greedy" if params.greedy else "sample", logits))
         if pkg is None:
             return False
         self[key] = pkg
         return True
 
 
-def load_or_build(fast, modes=MODES, progress: bool = True, root=None) -> dict | None:
+def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=None) -> dict | None:
     """Serve ``fast``'s graph set (:meth:`SpecGraphModel.graph_plan`) from the cache, building the
     graphs it lacks (or holds corrupt) first. Returns what happened ({"path", "hit", "built",
     "loaded", "frozen", "seconds"}), or None when the object cannot be cached or the disk has no
     room (a warning says so). :meth:`SpecGraphModel.warmup` afterwards runs every graph once and
-    builds with the JIT whatever the cache does not serve."""
+    builds with the JIT whatever the cache does not serve. ``logits`` (a
+    :class:`specgraph.processors.LogitsSpec`): the plan's rounds with these logits processors
+    instead, added to the packages the object is already served from."""
     if unsupported(fast) is not None:
         return None
     t0 = time.perf_counter()
@@ -169,6 +176,8 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None) -> dict |
     folder.mkdir(parents=True, exist_ok=True)
     _write_atomic(folder / KEY_FILE, json.dumps(key, indent=1, sort_keys=True) + "\n", keep=True)
     plan = fast.graph_plan(modes)
+    if logits is not None:
+        plan = [dataclasses.replace(g, logits=logits) for g in plan if g.kind in ("round", "tree")]
     packages, missing = {}, []
     for g in plan:
         frozen = fast.reserve_frozen_copy(g.name)
@@ -181,14 +190,18 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None) -> dict |
         return None
     if missing:
         _build(fast, folder, digest, missing, packages, progress)
-    fast.use_graphs(CachedGraphs(packages, fast.default_sampling()))
+    served = fast.graphs_in_use()
+    if isinstance(served, CachedGraphs):  # more packages for the same object (another processor setting)
+        served.packages.update(packages)
+    else:
+        fast.use_graphs(CachedGraphs(packages, fast.default_sampling()))
     return {"path": str(folder), "hit": not missing, "built": len(missing), "loaded": len(packages),
             "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan),
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def _package_key(g) -> tuple:
-    return package_key(g.kind, g.batch, g.tree if g.kind == "tree" else g.depth, g.mode)
+    return package_key(g.kind, g.batch, g.tree if g.kind == "tree" else g.depth, g.mode, g.logits)
 
 
 def _stem(g, frozen: bool) -> str:

@@ -14,6 +14,8 @@ input of each AOTInductor package).
 """
 from __future__ import annotations
 
+import hashlib
+
 import sys
 from dataclasses import dataclass
 
@@ -37,6 +39,7 @@ class GraphSpec:
     mode: str  # "greedy" or "sample"
     depth: int
     tree: tuple | None = None
+    logits: object = None  # a round's logits processors (specgraph.processors.LogitsSpec), None: none
 
     @property
     def name(self) -> str:
@@ -48,10 +51,12 @@ class GraphSpec:
         if self.kind in ("compact", "learned"):
             return f"{self.kind}_b{self.batch}" + ("" if self.kind == "compact" else f"_{self.mode}")
         width = "" if self.width is None else f"_w{self.width}"
-        return f"{self.kind}_b{self.batch}_{shape}{width}_{self.mode}"
+        procs = "" if self.logits is None else "_lp" + hashlib.sha256(repr(self.logits).encode()).hexdigest()[:10]
+        return f"{self.kind}_b{self.batch}_{shape}{width}_{self.mode}{procs}"
 
     def key(self) -> tuple:
-        return (self.kind, self.batch, self.width, self.tree if self.kind == "tree" else self.depth, self.mode)
+        return (self.kind, self.batch, self.width, self.tree if self.kind == "tree" else self.depth, self.mode,
+                self.logits)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -96,6 +101,10 @@ def example_inputs(fast, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
                  torch.ones(B, C, dtype=torch.bool, device=dev)], ["ids", "pos", "valid"])
     root, L, active = torch.zeros(B, **long), torch.ones(B, **long), torch.ones(B, dtype=torch.bool, device=dev)
     temperature = ([torch.ones(B, device=dev)], ["temperature"]) if sample else ([], [])
+    if g.logits is not None:  # the processors' state (specgraph.processors): rows as generate sees them, lengths
+        S = fast.slots
+        temperature = ([*temperature[0], torch.zeros(B, 2 * S, **long), torch.tensor([[0, 1, S]] * B, **long)],
+                       [*temperature[1], "seq", "meta"])
     if g.kind == "round":
         k = g.depth
         accept_u = torch.zeros(B, k, device=dev)

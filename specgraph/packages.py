@@ -20,7 +20,7 @@ import torch
 
 from specgraph.artifacts import ArtifactError
 from specgraph.capture import new_kv_cache
-from specgraph.compiler import SpecGraphModel, inductor_settings, prefill_logits
+from specgraph.compiler import RoundExtras, SpecGraphModel, inductor_settings, prefill_logits
 from specgraph.graphset import GraphSpec, example_inputs
 from specgraph.warping import SamplingParams
 
@@ -28,10 +28,11 @@ PT2_SUBDIR = "pt2"
 CONST_PREFIX = "step.model."  # package constant names: the wrapper's .step (Step) -> .model (the HF model)
 _PACKAGE_NAMES = {"archive_format", "archive_version", "version", "byteorder", "serialization_id", ".format_version"}
 _PACKAGE_SUFFIXES = (".so", ".cpp", ".json", ".h", ".hpp", ".txt", ".o", ".ld", ".cubin", ".fatbin", ".spv")
-def package_key(kind: str, batch: int, shape, mode: str) -> tuple:
+def package_key(kind: str, batch: int, shape, mode: str, logits=None) -> tuple:
     """How a loaded package is looked up: (kind, batch bucket, chain depth or tree shape (N, C, D)
-    as a tuple, "greedy" / "sample"), from an engine graph key, a GraphSpec or a manifest entry."""
-    return (kind, batch, tuple(shape) if kind == "tree" else shape, mode)
+    as a tuple, "greedy" / "sample", the round's logits processors or None), from an engine graph
+    key, a GraphSpec or a manifest entry."""
+    return (kind, batch, tuple(shape) if kind == "tree" else shape, mode, logits)
 
 
 def width_range(fast: SpecGraphModel) -> tuple[int, int]:
@@ -72,10 +73,11 @@ def module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
     if g.kind == "prefill":
         return _PrefillChunk(fast._step(g.batch, g.depth), fast.slots, fast.window)
     params = SamplingParams(0.0) if g.mode == "greedy" else SamplingParams(1.0, *filters)
+    extras = None if g.logits is None else RoundExtras(g.logits)
     # the engine's round: its first input is the attended slots [W], W a dynamic dimension
     if g.kind == "tree":
-        return _Graph(fast.tree_round_function(g.batch, params, g.tree), fast._step(g.batch, g.tree[0]))
-    return _Graph(fast.round_function(g.batch, params, g.depth), fast._step(g.batch, g.depth + 1))
+        return _Graph(fast.tree_round_function(g.batch, params, g.tree, extras), fast._step(g.batch, g.tree[0]))
+    return _Graph(fast.round_function(g.batch, params, g.depth, extras), fast._step(g.batch, g.depth + 1))
 
 
 def export_graph(fast: SpecGraphModel, g: GraphSpec, module, args: list, kv: list):

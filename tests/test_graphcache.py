@@ -149,6 +149,32 @@ def test_a_corrupt_package_is_rebuilt_not_trusted(model, first, root, tmp_path):
     assert_greedy_equal(model, fast)
 
 
+def test_processor_rounds_are_cached_too(model, root):
+    """``compile(..., generation_config=...)``: the rounds of that processor setting are packaged into
+    the entry beside the plain ones; a second process (here: object) loads them, Dynamo compiles
+    nothing, and output equals ``model.generate`` with the setting. Scores (not packaged) and other
+    settings still go to the JIT."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(repetition_penalty=1.3, no_repeat_ngram_size=3)
+    settings = {**SETTINGS, "modes": ("greedy",)}
+    built = specgraph.compile(model, "ngram", cache=root, generation_config=cfg, **settings)
+    assert built.graph_cache["loaded"] == 4  # 2 plain + 2 processor rounds (depths 0 and 2)
+    unique = counters["stats"]["unique_graphs"]
+    again = specgraph.compile(model, "ngram", cache=root, generation_config=cfg, **settings)
+    assert again.graph_cache["hit"] is True and again.graph_cache["built"] == 0 and again.graph_cache["loaded"] == 4
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="specgraph")  # nothing is built inside generate
+        for ids in prompts():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                 repetition_penalty=1.3, no_repeat_ngram_size=3)
+            out = again.generate(ids, max_new_tokens=24, repetition_penalty=1.3, no_repeat_ngram_size=3)
+            assert torch.equal(out, ref)
+    assert counters["stats"]["unique_graphs"] == unique and again.graphs_built == {}
+    names = {p.name for p in Path(again.graph_cache["path"]).glob("round_*_lp*.pt2")}
+    assert len(names) == 2, names
+
+
 def test_unsupported_objects_use_the_jit(model, root):
     draft = specgraph.compile(model, tiny_llama(seed=2), cache=root, backend="eager", **{**SETTINGS, "modes": ("greedy",)})
     assert draft.graph_cache is None
