@@ -35,30 +35,38 @@ def set_mask(node: fx.Node, mask: fx.Node) -> None:
         node.args = node.args[:_IS_CAUSAL_POS] + (False,) + node.args[_IS_CAUSAL_POS + 1:]
 
 
+def _layers(graph: fx.Graph) -> int:
+    """The model's layer count: its K/V cache inputs come in pairs (placeholders kv_0, kv_1, ...)."""
+    return sum(n.op == "placeholder" and n.name.startswith("kv") for n in graph.nodes) // 2
+
+
+def _score_softmaxes(graph: fx.Graph) -> list[fx.Node]:
+    """Softmaxes of ``scores + mask`` form (attention's; a MoE router's softmax reads its logits)."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in _SOFTMAX
+            and isinstance(n.args[0], fx.Node) and n.args[0].target is aten.add.Tensor and len(n.args[0].args) == 2
+            and isinstance(n.args[0].args[1], fx.Node)]
+
+
 def mask_reaches_every_softmax(graph: fx.Graph, mask: fx.Node) -> bool:
-    """Eager attention: every softmax reads scores to which the mask input (or a value computed
-    from it, such as a sliding-window band) was added, and there is at least one."""
+    """Eager attention: every layer has one softmax reading scores to which the mask input (or a
+    value computed from it, such as a sliding-window band) was added."""
     from_mask = {mask}
     for n in graph.nodes:  # topological order; only through what a mask goes through (not the layers)
         if n.op == "call_function" and n.target in _MASK_OPS and any(a in from_mask for a in n.all_input_nodes):
             from_mask.add(n)
-    softmaxes = [n for n in graph.nodes if n.op == "call_function" and n.target in _SOFTMAX]
-    return bool(softmaxes) and all(
-        isinstance(n.args[0], fx.Node) and n.args[0].target is aten.add.Tensor
-        and any(a in from_mask for a in n.args[0].all_input_nodes) for n in softmaxes)
+    masked = [n for n in _score_softmaxes(graph) if any(a in from_mask for a in n.args[0].all_input_nodes)]
+    return len(masked) == _layers(graph) > 0
 
 
 def _point_score_masks(graph: fx.Graph, mask: fx.Node) -> int:
     """Eager attention whose mask the model built itself: ``softmax(scores + model_mask)`` becomes
     ``softmax(scores + mask)``. Returns the number of softmaxes rewired."""
-    n = 0
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in _SOFTMAX and isinstance(node.args[0], fx.Node):
-            add = node.args[0]
-            if add.target is aten.add.Tensor and len(add.args) == 2 and isinstance(add.args[1], fx.Node):
-                add.args = (add.args[0], mask)
-                n += 1
-    return n
+    softmaxes = _score_softmaxes(graph)
+    if len(softmaxes) != _layers(graph):  # which softmax is a layer's attention would be a guess
+        return 0
+    for node in softmaxes:
+        node.args[0].args = (node.args[0].args[0], mask)
+    return len(softmaxes)
 
 
 _SOFTMAX = (aten.softmax.int, aten._softmax.default, torch.nn.functional.softmax)

@@ -31,7 +31,8 @@ from specgraph.eager import GenerationStats as Stats
 from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
 from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set
 from specgraph.suffix import SuffixIndex
-from specgraph.generation import GenerationRequest, ScoreLog, StepStreamer, UnsupportedSetting, resolve, stop_at
+from specgraph.generation import (GenerationRequest, ScoreLog, StepStreamer, UnsupportedSetting, inferred_attention_mask,
+                                  resolve, stop_at)
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
 from specgraph.processors import LogitsSpec, chain_paths, process_logits, tree_paths
 from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
@@ -632,6 +633,22 @@ class SpecGraphModel:
         self.learned = None if head is None else learned.make_drafter(self, head)
         if self.learned is not None:
             self.span = self.learned.span
+        if self.fallback_reason is None and self.full_width:
+            self._check_eager_attention(draft_model)
+
+    def _check_eager_attention(self, draft_model) -> None:
+        """Eager attention is served when the step's mask reaches every layer's scores (the pass
+        pipeline checks it on a captured step); otherwise the model falls back, or a draft pair is
+        refused, with the reason."""
+        try:
+            self._step(1, 1)
+            if draft_model is not None:
+                self._step(1, 1, which="draft")
+        except (UnsupportedModel, ValueError) as e:
+            if draft_model is not None:
+                raise ValueError(f"cannot compile this target/draft pair: {e}") from e
+            self.fallback_reason = str(e)
+            warnings.warn(f"specgraph: cannot rewrite this model ({e}); falling back to the eager path", stacklevel=4)
 
     @staticmethod
     def _parse_tree(tree, draft):
@@ -776,7 +793,7 @@ class SpecGraphModel:
         if extras is not None and extras.logits is not None:  # placeholder processor state (see processors)
             dev = args[0].device
             proc = (torch.zeros(g.batch, 2 * self.slots, dtype=torch.long, device=dev),
-                    torch.tensor([[0, 1, self.slots]] * g.batch, device=dev))
+                    torch.tensor([[0, 1, self.slots, 0]] * g.batch, device=dev))
         if g.kind == "round":
             self._round_fn(g.batch, params, width, g.depth, extras)(*args, *proc, *self._cache(g.batch))
         elif g.kind == "tree":
@@ -949,7 +966,8 @@ class SpecGraphModel:
 
     def logits_spec(self, generation_config) -> LogitsSpec | None:
         """The logits processors requests with ``generation_config`` run (None: none)."""
-        return resolve(self.model, torch.ones(1, 1, dtype=torch.long), generation_config, vocab=self.vocab).logits
+        # any prompt longer than one token: a spec does not depend on the prompt's length beyond that
+        return resolve(self.model, torch.ones(1, 2, dtype=torch.long), generation_config, vocab=self.vocab).logits
 
     def default_sampling(self) -> SamplingParams:
         """The graph settings of a plain ``do_sample=True`` request on this model: its
@@ -1326,18 +1344,18 @@ class SpecGraphModel:
             if isinstance(output_logprobs, bool) or not isinstance(output_logprobs, int) or output_logprobs < 0:
                 raise ValueError(f"output_logprobs must be an int >= 0 (top-n), got {output_logprobs!r}")
             req = dataclasses.replace(req, return_dict=True, logprobs=output_logprobs)
-        prompt = input_ids
         if req.num_return_sequences > 1:
             input_ids = input_ids.repeat_interleave(req.num_return_sequences, dim=0)
             if attention_mask is not None:
                 attention_mask = attention_mask.repeat_interleave(req.num_return_sequences, dim=0)
+        attention_mask = inferred_attention_mask(input_ids, attention_mask, req)
         rows = self._rows(input_ids, attention_mask, req.max_new_tokens)
         if self.fallback_reason is not None and (req.logits or req.stopping or req.return_dict or req.max_time):
             what = (req.logits.names() if req.logits else []) + ["stopping criteria"] * bool(req.stopping) + \
                 ["max_time"] * bool(req.max_time) + ["scores / log-probabilities"] * bool(req.return_dict)
             raise UnsupportedSetting(f"{', '.join(what)} need the compiled engine, and this model runs on the "
                                      f"eager fallback ({self.fallback_reason})")
-        stream = None if streamer is None else StepStreamer(streamer, prompt, len(rows), req.pad_token_id)
+        stream = None if streamer is None else StepStreamer(streamer, input_ids, len(rows), req.pad_token_id)
         with one_call(self):  # concurrent calls on one object share its KV caches: one at a time
             self.stats = Stats()  # per call
             if self.fallback_reason is not None:
@@ -1345,13 +1363,13 @@ class SpecGraphModel:
             elif self.draft == "suffix":
                 self._sessions = [self.suffix_index.start(r) for r in rows]
                 try:
-                    new, scores = self._generate_compiled(rows, req, generator, stream, input_ids.shape[1])
+                    new, scores = self._generate_compiled(rows, req, generator, stream, input_ids, attention_mask)
                 finally:
                     self._sessions = None
                 for r, n in zip(rows, new):  # later requests may repeat this one
                     self.suffix_index.add_document(r + n)
             else:
-                new, scores = self._generate_compiled(rows, req, generator, stream, input_ids.shape[1])
+                new, scores = self._generate_compiled(rows, req, generator, stream, input_ids, attention_mask)
         sequences = assemble_output(input_ids, new, req.pad_token_id)
         return sequences if not req.return_dict else scores.output(sequences, req)
 
@@ -1389,19 +1407,20 @@ class SpecGraphModel:
             stream.end()
         return new
 
-    def _processor_state(self, rows, T: int, req: GenerationRequest, B: int, device):
-        """(seq [B, 2S] long: each row as generate sees it, padding first; meta [B, 3] long:
-        padding, padded prompt length T, max_length) -- see :mod:`specgraph.processors`."""
-        S = self.slots
+    def _processor_state(self, input_ids, attention_mask, rows, req: GenerationRequest, B: int, device):
+        """(seq [B, 2S] long: each row as generate sees it, the input row (padding tokens included)
+        first; meta [B, 4] long: masked prompt tokens, padded prompt length T, max_length, leading
+        masked tokens) -- see :mod:`specgraph.processors`."""
+        S, T = self.slots, input_ids.shape[1]
         seq = torch.full((B, 2 * S), req.pad_token_id, dtype=torch.long)
-        meta = torch.zeros(B, 3, dtype=torch.long)
+        meta = torch.zeros(B, 4, dtype=torch.long)
+        seq[: len(rows), :T] = input_ids.cpu()
         for b, r in enumerate(rows):
-            pads = T - len(r)
-            seq[b, pads: T] = torch.tensor(r)
-            meta[b] = torch.tensor([pads, T, req.max_length])
+            lead = 0 if attention_mask is None else int((attention_mask[b] != 0).int().argmax())
+            meta[b] = torch.tensor([T - len(r), T, req.max_length, lead])
         return seq.to(device), meta.to(device)
 
-    def _generate_compiled(self, rows, req: GenerationRequest, generator, stream, T: int):
+    def _generate_compiled(self, rows, req: GenerationRequest, generator, stream, input_ids, attention_mask):
         device = next(self.model.parameters()).device
         params, eos, max_new_tokens = req.params, req.eos, req.max_new_tokens
         n_rows = len(rows)
@@ -1416,11 +1435,11 @@ class SpecGraphModel:
             hist[b, : len(r)] = torch.tensor(r)
         hist = hist.to(device)
         # the logits processors' view of each row (padding included), and what the host checks stop on
-        proc = () if req.logits is None else self._processor_state(rows, T, req, B, device)
+        proc = () if req.logits is None else self._processor_state(input_ids, attention_mask, rows, req, B, device)
         self._draft_processors = (req.logits, proc)  # a draft model's proposals go through them too
-        padded = [[req.pad_token_id] * (T - len(r)) + r for r in rows]
+        padded = input_ids.tolist()  # the rows as stopping criteria see them
         score_log = ScoreLog(n_rows, req) if req.return_dict else None
-        extras = RoundExtras(req.logits, req.output_scores or req.output_logits, req.logprobs)
+        extras = RoundExtras(req.logits, req.return_dict and (req.output_scores or req.output_logits), req.logprobs)
         prefilled = self._prefill(B, rows, kv, device, "target")
         if self.learned is not None:  # the head's first feed (and its cache) from the prompt's features
             self.learned.start(B, rows, None if prefilled is None else prefilled[1], device)
@@ -1429,7 +1448,8 @@ class SpecGraphModel:
         L = torch.tensor([n - 1 for n in lens], device=device)
         root = hist.gather(1, (L).unsqueeze(1)).squeeze(1)
         new = [[] for _ in range(n_rows)]
-        done = [False] * n_rows + [True] * (B - n_rows)
+        done = [False] * n_rows + [True] * (B - n_rows)  # rows no longer decoded
+        finished, ended_at = [False] * n_rows, [0] * n_rows  # rows that have ended, and their length then
         V = self.model.get_output_embeddings().weight.shape[0]
         L_host = [n - 1 for n in lens]
         self._k_now = self.k_ladder[0]
@@ -1479,8 +1499,11 @@ class SpecGraphModel:
             for b in range(n_rows):
                 if done[b]:
                     continue
-                keep, stopped = stop_at(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos, req.stopping,
-                                        padded[b] + new[b], start, req.max_time)
+                if finished[b]:  # ended by a criterion without an EOS: transformers keeps decoding it (it pads
+                    keep, stopped = tokens_h[b][: n_h[b]][: max_new_tokens - len(new[b])], False  # only with EOS)
+                else:
+                    keep, stopped = stop_at(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos, req.stopping,
+                                            padded[b] + new[b], start, req.max_time)
                 new[b].extend(keep)
                 if score_log is not None and keep:
                     n_keep = len(keep)
@@ -1491,9 +1514,15 @@ class SpecGraphModel:
                 self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
                 if self._sessions is not None:
                     self._sessions[b].extend(keep)
-                if stopped or len(new[b]) >= max_new_tokens:
+                if (stopped or len(new[b]) >= max_new_tokens) and not finished[b]:
+                    finished[b], ended_at[b] = True, len(new[b])
+                if (stopped and eos) or len(new[b]) >= max_new_tokens:
                     done[b] = True
-            if stream is not None:
+            if all(finished[:n_rows]):  # every row has ended: so has the call (rows kept decoding stop here)
+                steps = max(ended_at[:n_rows])
+                new = [n[:steps] for n in new]
+                done = [True] * B
+            elif stream is not None:
                 stream.advance(new, done)
             # advance device state for the rows still running (rolled-back slots are just not counted)
             adv_h = [0 if done[b] else n_h[b] for b in range(B)]
@@ -1511,6 +1540,7 @@ class SpecGraphModel:
             L = L + adv
             root = torch.where(adv > 0, tokens.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
         if stream is not None:
+            stream.advance(new, [True] * n_rows)
             stream.end()
         self.stats.seconds += time.perf_counter() - start
         return new, score_log

@@ -91,6 +91,7 @@ class GenerationRequest:
     params: SamplingParams
     eos: tuple[int, ...]
     pad_token_id: int
+    pad_given: bool = True  # the pad id came from the settings (not the EOS / 0 default)
     logits: LogitsSpec | None = None  # None: no processor
     num_return_sequences: int = 1
     stopping: tuple = ()  # host-side StoppingCriteria (stop strings, the caller's own)
@@ -136,6 +137,9 @@ def _refuse_unsupported(cfg) -> None:
         if value is not None and value != off and not (name == "guidance_scale" and value == 1):
             raise UnsupportedSetting(f"{name}={value!r} ({what}) is not supported by specgraph; "
                                      "use model.generate for it")
+    if getattr(cfg, "cache_implementation", None) == "quantized":
+        raise UnsupportedSetting("cache_implementation='quantized' (a quantized KV cache changes the logits) is not "
+                                 "supported by specgraph; use model.generate for it")
     if (cfg.num_beams or 1) > 1:
         raise UnsupportedSetting(f"num_beams={cfg.num_beams} (beam search) is not supported by specgraph: "
                                  "it speculates on sampling and greedy decoding; use model.generate for beam search")
@@ -174,18 +178,18 @@ def _logits_spec(cfg, eos: tuple[int, ...], T: int, vocab: int) -> LogitsSpec | 
     spec = LogitsSpec(
         sequence_bias=seq_bias,
         repetition_penalty=None if rp is None or rp == 1.0 else float(rp),
-        no_repeat_ngram_size=int(cfg.no_repeat_ngram_size or 0),
+        no_repeat_ngram_size=max(int(cfg.no_repeat_ngram_size or 0), 0),
         bad_words=bad,
         # transformers replaces min_length by min_new_tokens + T when min_new_tokens is set: the same
         # condition as min_new_tokens' own, so the spec keeps one (and stays independent of T)
         min_length=int(cfg.min_length or 0) if eos and cfg.min_new_tokens is None else 0,
         min_new_tokens=int(cfg.min_new_tokens or 0) if eos else 0,
-        eos=eos,
+        eos=eos if (cfg.min_length or cfg.min_new_tokens) else (),  # only the minimum lengths read it
         forced_bos_token_id=cfg.forced_bos_token_id,
         forced_eos=in_vocab("forced_eos_token_id", _token_list(cfg.forced_eos_token_id)),
         suppress_tokens=in_vocab("suppress_tokens", _token_list(cfg.suppress_tokens)),
         begin_suppress_tokens=in_vocab("begin_suppress_tokens", begin),
-        begin_offset=1 if (T <= 1 and cfg.forced_bos_token_id is not None) else 0,
+        begin_offset=1 if (begin and T <= 1 and cfg.forced_bos_token_id is not None) else 0,
     )
     return spec if spec.names() else None
 
@@ -210,6 +214,15 @@ def _stopping(cfg, stopping_criteria, tokenizer) -> tuple:
 
         crit.append(StopStringCriteria(stop_strings=cfg.stop_strings, tokenizer=tokenizer))
     return tuple(crit)
+
+
+def inferred_attention_mask(input_ids, attention_mask, req: GenerationRequest):
+    """``attention_mask``, or the one transformers infers without it: the input's pad tokens
+    masked, when a pad id was given, differs from every EOS id and occurs in the input."""
+    if attention_mask is not None or not req.pad_given or req.pad_token_id in req.eos:
+        return attention_mask
+    pad = input_ids == req.pad_token_id
+    return (~pad).long() if bool(pad.any()) else None
 
 
 def resolve(model, input_ids, generation_config=None, *, logits_processor=None, stopping_criteria=None,
@@ -253,15 +266,15 @@ def resolve(model, input_ids, generation_config=None, *, logits_processor=None, 
     eos = _token_list(cfg.eos_token_id)
     if any(t < 0 for t in eos):
         raise ValueError(f"eos_token_id should consist of positive integers, got {list(eos)}")
-    pad = cfg.pad_token_id
-    pad = int(_token_list(pad)[0]) if pad is not None else (eos[0] if eos else 0)
+    pad_given = cfg.pad_token_id is not None
+    pad = int(_token_list(cfg.pad_token_id)[0]) if pad_given else (eos[0] if eos else 0)
     if vocab is None:
         vocab = model.get_output_embeddings().weight.shape[0]
     spec = _logits_spec(cfg, eos, T, vocab)
     nrs = int(cfg.num_return_sequences or 1)
     return GenerationRequest(
         max_new_tokens=max_length - T, max_length=max_length, params=_sampling_params(cfg), eos=eos,
-        pad_token_id=pad, logits=spec, num_return_sequences=nrs, stopping=_stopping(cfg, stopping_criteria, tokenizer),
+        pad_token_id=pad, pad_given=pad_given, logits=spec, num_return_sequences=nrs, stopping=_stopping(cfg, stopping_criteria, tokenizer),
         max_time=cfg.max_time, return_dict=bool(cfg.return_dict_in_generate), output_scores=bool(cfg.output_scores),
         output_logits=bool(cfg.output_logits), renormalize_logits=bool(cfg.renormalize_logits), config=cfg,
     )

@@ -103,7 +103,7 @@ def example_inputs(fast, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
     temperature = ([torch.ones(B, device=dev)], ["temperature"]) if sample else ([], [])
     if g.logits is not None:  # the processors' state (specgraph.processors): rows as generate sees them, lengths
         S = fast.slots
-        temperature = ([*temperature[0], torch.zeros(B, 2 * S, **long), torch.tensor([[0, 1, S]] * B, **long)],
+        temperature = ([*temperature[0], torch.zeros(B, 2 * S, **long), torch.tensor([[0, 1, S, 0]] * B, **long)],
                        [*temperature[1], "seq", "meta"])
     if g.kind == "round":
         k = g.depth

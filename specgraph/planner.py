@@ -322,13 +322,13 @@ def measure_draft_costs(fast, batch_sizes, context: int, repeats: int = 5, progr
     return step, per_round
 
 
-@torch.no_grad()
 def _token_kwargs(eos_token_id, pad_token_id) -> dict:
     """The EOS / pad arguments for generate, None meaning the model's own (passed explicitly, None
     would switch EOS off, as in transformers)."""
     return {k: v for k, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)) if v is not None}
 
 
+@torch.no_grad()
 def measure_acceptance(fast, rows, depth: int, max_new_tokens: int, eos_token_id=None, pad_token_id=None,
                        progress=True) -> tuple[AcceptanceProfile, list]:
     """Each prompt alone, greedy, at a fixed depth: survival per position from ``fast.stats``,

@@ -13,11 +13,13 @@ hashable and keys compiled graphs): no host sync, so it traces into the round's 
 
 The per-request state the round needs besides its drafts:
 
-* ``seq`` ``[B, M]`` long: each row as ``generate`` sees it, left padding included (pad tokens,
-  then the prompt, then the committed new tokens); M = twice the cache slots, room for any padding.
-* ``meta`` ``[B, 3]`` long: (left padding, padded prompt length T, ``max_length``).
+* ``seq`` ``[B, M]`` long: each row as ``generate`` sees it: the caller's ``input_ids`` row
+  (padding tokens included), then the committed new tokens; M = twice the cache slots, room for
+  any padding.
+* ``meta`` ``[B, 4]`` long: (masked prompt tokens, padded prompt length T, ``max_length``, leading
+  masked tokens: what the repetition penalty ignores).
 
-Row b has committed ``pads + L + 1`` tokens of ``seq`` (``L`` as in the engine: the root sits at
+Row b has committed ``masked + L + 1`` tokens of ``seq`` (``L`` as in the engine: the root sits at
 position ``L`` of the unpadded row).
 """
 from __future__ import annotations
@@ -144,20 +146,20 @@ def process_logits(
     spec: LogitsSpec,
     logits: torch.Tensor,  # [B, Q, V] target logits at Q positions
     seq: torch.Tensor,  # [B, M] long
-    meta: torch.Tensor,  # [B, 3] long: pads, T, max_length
+    meta: torch.Tensor,  # [B, 4] long: masked prompt tokens, T, max_length, leading masked tokens
     L: torch.Tensor,  # [B] long, root position in the unpadded row
     path: torch.Tensor,  # [B, Q, D] long
     depth: torch.Tensor,  # [B, Q] long
 ) -> torch.Tensor:  # [B, Q, V] float32
     """The processed scores ``generate`` would compute at each position, given its own prefix."""
     x = logits.float()
-    pads, T, max_length = meta[:, 0], meta[:, 1], meta[:, 2]
-    seqs, lens = prefix_sequences(seq, pads + L + 1, path, depth)
+    masked, T, max_length, lead = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
+    seqs, lens = prefix_sequences(seq, masked + L + 1, path, depth)
     every = torch.ones_like(lens, dtype=torch.bool)
     if spec.sequence_bias:
         x = _sequence_bias(x, seqs, lens, spec.sequence_bias)
     if spec.repetition_penalty is not None:
-        x = _repetition_penalty(x, seqs, lens, pads, spec.repetition_penalty)
+        x = _repetition_penalty(x, seqs, lens, lead, spec.repetition_penalty)
     if spec.no_repeat_ngram_size:
         x = _no_repeat_ngram(x, seqs, lens, spec.no_repeat_ngram_size)
     if spec.bad_words:

@@ -60,7 +60,7 @@ def make_rows(B, S, gen):
     torch.manual_seed(gen)
     T = 7
     seq = torch.zeros(B, 2 * S, dtype=torch.long)
-    meta = torch.zeros(B, 3, dtype=torch.long)
+    meta = torch.zeros(B, 4, dtype=torch.long)
     L = torch.zeros(B, dtype=torch.long)
     hists = []
     for b in range(B):
@@ -69,7 +69,7 @@ def make_rows(B, S, gen):
         toks = torch.randint(0, 9, (T - pads + n_new,))  # a small alphabet: repeats happen
         row = torch.cat([torch.full((pads,), PAD), toks])
         seq[b, : len(row)] = row
-        meta[b] = torch.tensor([pads, T, T + 6])
+        meta[b] = torch.tensor([pads, T, T + 6, pads])
         L[b] = len(toks) - 1
         hists.append(row)
     return seq, meta, L, T, hists
