@@ -496,3 +496,62 @@ def test_prompt_by_either_name(llama):
     assert torch.equal(fast.generate(input_ids=ids, max_new_tokens=5), ref)
     with pytest.raises(ValueError, match="input_ids"):
         fast.generate(max_new_tokens=5)
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs as transformers sees them
+
+
+def test_processors_and_criteria_see_the_input_rows_as_given():
+    """Padding tokens other than the configured pad id, a left-padded input without an attention
+    mask (transformers infers it from the pad id), and a batch whose rows end by a criterion with
+    no EOS (transformers keeps decoding them until every row has ended): all equal HF."""
+    from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+    model = tiny_model("llama")
+    fast = specgraph.compile(model, "ngram", backend="eager", max_batch_size=4, max_seq_len=96)
+    rows = [rep([11, 42, 7, 93], 10), [50, 9, 50, 9, 60]]
+    ids, mask = left_pad(rows)
+    zeros = ids.masked_fill(mask == 0, 0)  # padded with 0, the model's pad id is PAD
+    for kw in (dict(no_repeat_ngram_size=1), dict(sequence_bias={(0, 0, 60): 20.0})):
+        assert torch.equal(fast.generate(zeros, attention_mask=mask, max_new_tokens=12, **kw),
+                           model.generate(zeros, attention_mask=mask, max_new_tokens=12, **kw)), kw
+    assert torch.equal(fast.generate(ids, max_new_tokens=12), model.generate(ids, max_new_tokens=12))
+
+    class StopOn(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            return input_ids[:, -1] == 105
+
+    crit = StoppingCriteriaList([StopOn()])
+    kw = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None, stopping_criteria=crit)
+    assert torch.equal(fast.generate(ids, **kw), model.generate(ids, **kw))
+
+
+def test_streamer_gets_the_expanded_prompt_with_num_return_sequences(llama):
+    fast = specgraph.compile(llama, "ngram", backend="eager", max_batch_size=4, max_seq_len=96)
+    ids = torch.tensor([[11, 42, 7, 93, 11]])
+    shapes = {}
+    for name, gen in (("hf", llama), ("sg", fast)):
+        s = Collect()
+        gen.generate(ids, max_new_tokens=3, do_sample=True, num_return_sequences=2, streamer=s,
+                     **({"generator": torch.Generator().manual_seed(0)} if name == "sg" else {}))
+        shapes[name] = [tuple(p.shape) for p in s.puts]
+    assert shapes["sg"] == shapes["hf"]
+
+
+def test_processor_graphs_do_not_depend_on_the_prompt_or_unrelated_eos(llama):
+    from specgraph.generation import resolve
+
+    fast = specgraph.compile(llama, "ngram", backend="eager", max_seq_len=96)
+    cfg = GenerationConfig(repetition_penalty=1.2, forced_bos_token_id=3, min_new_tokens=4)
+    spec = fast.logits_spec(cfg)
+    for T in (2, 7, 30):
+        assert resolve(llama, torch.ones(1, T, dtype=torch.long), cfg).logits == spec
+    no_min = GenerationConfig(repetition_penalty=1.2)
+    assert resolve(llama, torch.ones(1, 5, dtype=torch.long), no_min, eos_token_id=9).logits == fast.logits_spec(no_min)
+
+
+def test_quantized_cache_is_refused(llama):
+    fast = specgraph.compile(llama, "ngram", backend="eager", max_seq_len=96)
+    with pytest.raises(UnsupportedSetting, match="quantized"):
+        fast.generate(torch.tensor([[11, 42, 7]]), max_new_tokens=4, cache_implementation="quantized")
