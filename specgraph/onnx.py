@@ -216,9 +216,9 @@ class OnnxSpecGenerator:
         max_new_tokens: int = 128,
         do_sample: bool = False,
         temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
+        top_k="baked",
+        top_p="baked",
+        min_p="baked",
         eos_token_id=None,
         pad_token_id=None,
         generator: torch.Generator | None = None,
@@ -226,8 +226,8 @@ class OnnxSpecGenerator:
     ) -> torch.Tensor:
         """prompt + new tokens [B, T + n], rows padded with ``pad_token_id`` after their EOS; left
         padding via ``attention_mask``. The settings are this method's arguments alone: top-k /
-        top-p / min-p are the ones baked into the exported sampling graphs (None = off; unlike
-        ``model.generate``, no top-k 50 default), and there are no logits processors.
+        top-p / min-p are the ones baked into the exported sampling graphs (not given: those;
+        None: off, which must be what was baked), and there are no logits processors.
 
         Sampling draws its random inputs from ``generator`` in the compiler's order (a draft
         model's Exp(1) rows per draft step, then :func:`specgraph.verify.chain_noise` or
@@ -241,10 +241,11 @@ class OnnxSpecGenerator:
         if do_sample and temperature == 0:
             raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy)")
         if do_sample:
-            check_sampling_params(temperature, top_k, top_p, min_p)
-            want = normalize_filters(self.vocab, top_k, top_p, min_p)
             s = man["sampling"]
             baked = (s["top_k"], s["top_p"], s["min_p"])
+            top_k, top_p, min_p = (b if v == "baked" else v for v, b in zip((top_k, top_p, min_p), baked))
+            check_sampling_params(temperature, top_k, top_p, min_p)
+            want = normalize_filters(self.vocab, top_k, top_p, min_p)
             if want != baked:
                 raise ValueError(f"these graphs were exported with top_k={baked[0]}, top_p={baked[1]}, min_p={baked[2]} "
                                  f"baked in; got top_k={top_k}, top_p={top_p}, min_p={min_p} (re-export with "
