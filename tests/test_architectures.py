@@ -194,11 +194,26 @@ def test_inductor_eager_attention_equals_hf():
     assert torch.equal(greedy(fast, ids), greedy(model, ids))
 
 
-def test_eager_attention_whose_mask_cannot_be_traced_falls_back():
-    """Mixtral with eager attention: its captured step does not show one masked score softmax per
-    layer to the check, so it falls back (exact) instead of failing at compile."""
+def test_eager_attention_with_a_router_softmax_runs_compiled():
+    """Mixtral with eager attention: the MoE router's softmax is not a layer's attention; the check
+    finds one masked score softmax per layer and the model runs compiled, equal to HF."""
     model = tiny("mixtral", attn="eager")
     fast = specgraph.compile(model, "ngram", backend="eager", max_seq_len=96)
+    assert fast.fallback_reason is None and fast.full_width
     ids = torch.tensor(PROMPT)
-    assert fast.fallback_reason is None or "softmax" in fast.fallback_reason
+    assert torch.equal(greedy(fast, ids), greedy(model, ids))
+
+
+def test_eager_attention_whose_mask_cannot_be_traced_falls_back(monkeypatch):
+    """When the check cannot see the step's mask reach every layer's scores, compile falls back to
+    the eager path with the reason (exact), instead of failing later."""
+    import specgraph.passes.attention as attention
+
+    monkeypatch.setattr(attention, "mask_reaches_every_softmax", lambda graph, mask: False)
+    monkeypatch.setattr(attention, "_point_score_masks", lambda graph, mask: 0)
+    model = tiny("llama", attn="eager")
+    with pytest.warns(UserWarning, match="falling back"):
+        fast = specgraph.compile(model, "ngram", backend="eager", max_seq_len=96)
+    assert "softmax" in fast.fallback_reason
+    ids = torch.tensor(PROMPT)
     assert torch.equal(greedy(fast, ids), greedy(model, ids))
