@@ -428,14 +428,6 @@ def prompt_rows(input_ids, attention_mask, max_new_tokens, vocab) -> list[list[i
     return rows
 
 
-def keep_until_eos(tokens: list[int], budget: int, eos) -> tuple[list[int], bool]:
-    """A row's share of a round: its emitted tokens cut to the remaining budget and after the first
-    EOS (kept). Returns (kept tokens, whether an EOS stopped the row)."""
-    keep = tokens[:budget]
-    stop = next((i for i, t in enumerate(keep) if t in eos), None)
-    return (keep if stop is None else keep[: stop + 1]), stop is not None
-
-
 def assemble_output(input_ids, new: list[list[int]], pad_token_id) -> torch.Tensor:
     """prompt + new tokens [B, T + n], rows padded with ``pad_token_id`` (HF's return convention)."""
     width = max(len(n) for n in new)

@@ -365,12 +365,12 @@ class SpecGenerateOutput(GenerateDecoderOnlyOutput):
     top_tokens: tuple | None = None
 
 
-def stop_at(tokens: list[int], budget: int, eos, criteria, history: list[int], started: float | None,
-            max_time: float | None) -> tuple[list[int], bool]:
+def stop_at(tokens: list[int], budget: int, eos, criteria=(), history: list[int] = (), started: float | None = None,
+            max_time: float | None = None) -> tuple[list[int], bool]:
     """A row's share of a round: its emitted tokens cut to the remaining budget, after the first EOS
     (kept) and after the first token at which a stopping criterion fires (kept, as transformers
     checks criteria after appending). ``history``: the row so far as generate sees it (padding
-    included). Returns (kept tokens, whether the row stopped)."""
+    included), read by the criteria. Returns (kept tokens, whether the row stopped)."""
     import time
 
     keep = tokens[:budget]
@@ -378,7 +378,7 @@ def stop_at(tokens: list[int], budget: int, eos, criteria, history: list[int], s
         if t in eos:
             return keep[: i + 1], True
         if criteria:
-            ids = torch.tensor([history + keep[: i + 1]])
+            ids = torch.tensor([list(history) + keep[: i + 1]])
             if any(bool(torch.as_tensor(c(ids, None)).any()) for c in criteria):
                 return keep[: i + 1], True
     if max_time is not None and started is not None and time.perf_counter() - started > max_time:

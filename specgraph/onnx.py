@@ -45,11 +45,12 @@ import torch
 
 from specgraph.artifacts import ArtifactError, check_listed, safe_path, verify_files
 from specgraph.compiler import (
-    SUFFIX_MIN_SCORE, assemble_output, calibrate_suffix, eos_and_pad, keep_until_eos, next_k, pack_suffix_trees,
+    SUFFIX_MIN_SCORE, assemble_output, calibrate_suffix, eos_and_pad, next_k, pack_suffix_trees,
     one_call, prompt_rows, propose_ngram_tree, suffix_chain_drafts, suffix_chains,
 )
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats
+from specgraph.generation import stop_at
 from specgraph.onnx_export import (  # noqa: F401 (export_onnx: re-export)
     FORMAT, FORMAT_VERSION, MANIFEST, export_onnx, tree_graph_name,
 )
@@ -417,7 +418,7 @@ class OnnxSpecGenerator:
             for b in range(n_rows):
                 if done[b]:
                     continue
-                keep, stopped = keep_until_eos(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos)
+                keep, stopped = stop_at(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos)
                 new[b].extend(keep)
                 self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
                 if sessions is not None:
