@@ -29,7 +29,7 @@ from specgraph.capture import (Step, UnsupportedModel, capture_step, check_suppo
 from specgraph.drafters import ChainDrafter, ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
-from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set
+from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set, with_logits
 from specgraph.suffix import SuffixIndex
 from specgraph.generation import (GenerationRequest, ScoreLog, StepStreamer, UnsupportedSetting, inferred_attention_mask,
                                   resolve, stop_at)
@@ -222,7 +222,7 @@ def _check_draft_model(target, draft) -> None:
     if draft.training:
         raise ValueError("put the draft model in eval mode first (draft.eval())")
     tv = target.get_output_embeddings().weight.shape[0]
-    dv = draft.get_output_embeddings().weight.shape[0] if draft.get_output_embeddings() is not None else None
+    dv = draft.get_output_embeddings().weight.shape[0]  # check_servable: it has an LM head
     if dv != tv:
         raise ValueError(
             f"vocabulary mismatch: target has {tv} output tokens, draft has {dv}; the draft must share the "
@@ -747,12 +747,9 @@ class SpecGraphModel:
         repetition_penalty=1.1)``: each distinct processor setting has round graphs of its own).
         Returns {graph: seconds}."""
         plan = self.graph_plan(modes)
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        extras = None
+        vocab = self.vocab
         if generation_config is not None:
-            spec = self.logits_spec(generation_config)
-            extras = RoundExtras(spec) if spec is not None else None
-            plan = [g for g in plan if g.kind in ("round", "tree")]  # the rounds are what processors change
+            plan = with_logits(plan, self.logits_spec(generation_config))
         width = self.min_attend if self.full_width else min(self.min_attend, self.slots - 1)
         bar = Progress(len(plan), progress, verb="building")
         seconds = {}
@@ -762,7 +759,7 @@ class SpecGraphModel:
                 for g in plan:
                     bar.start(g.name)
                     t0 = time.perf_counter()
-                    self._build(g, vocab, width, extras)
+                    self._build(g, vocab, width)
                     seconds[g.name] = time.perf_counter() - t0
                     bar.advance(g.name, seconds[g.name])
             finally:
@@ -771,7 +768,7 @@ class SpecGraphModel:
             self._warm = True
         return seconds
 
-    def _build(self, g: GraphSpec, vocab: int, width: int, extras: RoundExtras | None = None) -> None:
+    def _build(self, g: GraphSpec, vocab: int, width: int) -> None:
         """Run graph ``g`` once on placeholder inputs (its first call builds it)."""
         params = SamplingParams(0.0) if g.mode == "greedy" else self.default_sampling()
         if g.kind == "learned":  # a two-token generation runs the head's graphs for this batch and mode
@@ -780,16 +777,12 @@ class SpecGraphModel:
             self.generate(ids, max_new_tokens=2, do_sample=g.mode == "sample")
             self.stats = stats
             return
-        args, _ = example_inputs(self, g, vocab)
-        proc = ()
-        if extras is not None and extras.logits is not None:  # placeholder processor state (see processors)
-            dev = args[0].device
-            proc = (torch.zeros(g.batch, 2 * self.slots, dtype=torch.long, device=dev),
-                    torch.tensor([[0, 1, self.slots, 0]] * g.batch, device=dev))
+        args, _ = example_inputs(self, g, vocab)  # with the processors' state when the round has processors
+        extras = None if g.logits is None else RoundExtras(g.logits)
         if g.kind == "round":
-            self._round_fn(g.batch, params, width, g.depth, extras)(*args, *proc, *self._cache(g.batch))
+            self._round_fn(g.batch, params, width, g.depth, extras)(*args, *self._cache(g.batch))
         elif g.kind == "tree":
-            self._tree_round_fn(g.batch, params, width, g.tree, extras)(*args, *proc, *self._cache(g.batch))
+            self._tree_round_fn(g.batch, params, width, g.tree, extras)(*args, *self._cache(g.batch))
         elif g.kind == "draft":
             self._draft_fn(g.batch, g.depth, params, width)(*args, *self._cache(g.batch, "draft"))
         elif g.kind == "draft_tree":
@@ -982,7 +975,7 @@ class SpecGraphModel:
         """One verification round over k given drafts (k = 0: a plain decoding step), attending
         ``width`` cache slots. Greedy: ``fn(root, L, active, accept_u, expo, drafts, draft_probs, *kv)``;
         sampling takes a ``temperature`` [B] float32 after ``draft_probs``; with logits processors
-        (``extras.logits``) the processor state (seq [B, 2S], meta [B, 3]) comes next. Returns
+        (``extras.logits``) the processor state (seq [B, 2S], meta [B, 4]) comes next. Returns
         (tokens [B, k+1], n [B]), then with ``extras.scores`` the processed and raw logits [B, k+1, V]."""
         key = self._key_params(params, extras)
         return self._graph(("round", B, key, width, k), width, lambda: self._build_round(B, params, k, extras))
@@ -1329,9 +1322,8 @@ class SpecGraphModel:
         if (input_ids is None) == (inputs is None):
             raise ValueError("pass the prompt token ids as input_ids (or inputs, as model.generate names them), once")
         input_ids = input_ids if input_ids is not None else inputs
-        vocab = self.model.get_output_embeddings().weight.shape[0]
         req = resolve(self.model, input_ids, generation_config, logits_processor=logits_processor,
-                      stopping_criteria=stopping_criteria, tokenizer=tokenizer, vocab=vocab, **kwargs)
+                      stopping_criteria=stopping_criteria, tokenizer=tokenizer, vocab=self.vocab, **kwargs)
         if output_logprobs is not None:
             if isinstance(output_logprobs, bool) or not isinstance(output_logprobs, int) or output_logprobs < 0:
                 raise ValueError(f"output_logprobs must be an int >= 0 (top-n), got {output_logprobs!r}")
@@ -1369,8 +1361,7 @@ class SpecGraphModel:
         if input_ids.dim() == 2 and input_ids.shape[0] > self.max_batch_size:
             raise ValueError(f"batch size {input_ids.shape[0]} exceeds max_batch_size={self.max_batch_size}; "
                              "pass a larger max_batch_size to specgraph.compile")
-        vocab = self.model.get_output_embeddings().weight.shape[0] if self.model.get_output_embeddings() is not None else None
-        rows = prompt_rows(input_ids, attention_mask, max_new_tokens, vocab)
+        rows = prompt_rows(input_ids, attention_mask, max_new_tokens, self.vocab)
         for r in rows:
             need = len(r) + max_new_tokens + self.span
             if need > self.max_seq_len:
@@ -1442,7 +1433,7 @@ class SpecGraphModel:
         new = [[] for _ in range(n_rows)]
         done = [False] * n_rows + [True] * (B - n_rows)  # rows no longer decoded
         finished, ended_at = [False] * n_rows, [0] * n_rows  # rows that have ended, and their length then
-        V = self.model.get_output_embeddings().weight.shape[0]
+        V = self.vocab
         L_host = [n - 1 for n in lens]
         self._k_now = self.k_ladder[0]
         if self.draft == "custom":

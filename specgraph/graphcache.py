@@ -34,7 +34,6 @@ the CPU are packaged; other objects build their graphs with the JIT (:meth:`Spec
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -51,7 +50,7 @@ from specgraph.artifacts import (
     ArtifactError, canonical_config, cpu_capability, cpu_model, file_entry, verify_files, versions, weights_sha256,
 )
 from specgraph.freezing import weight_bytes
-from specgraph.graphset import MODES, Progress
+from specgraph.graphset import MODES, Progress, with_logits
 from specgraph.models import cache_dir
 from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key
 from specgraph.warping import SamplingParams
@@ -177,7 +176,7 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     _write_atomic(folder / KEY_FILE, json.dumps(key, indent=1, sort_keys=True) + "\n", keep=True)
     plan = fast.graph_plan(modes)
     if logits is not None:
-        plan = [dataclasses.replace(g, logits=logits) for g in plan if g.kind in ("round", "tree")]
+        plan = with_logits(plan, logits)
     packages, missing = {}, []
     for g in plan:
         frozen = fast.reserve_frozen_copy(g.name)
@@ -252,7 +251,7 @@ def _room_for(fast, folder: Path, n_frozen: int) -> bool:
 def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progress: bool) -> None:
     """Package each (graph, frozen) of ``missing`` into ``folder`` and open it into ``packages``."""
     device = next(fast.model.parameters()).device
-    vocab = fast.model.get_output_embeddings().weight.shape[0]
+    vocab = fast.vocab
     bar = Progress(len(missing), progress, verb="building")
     try:
         with torch.no_grad():

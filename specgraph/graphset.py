@@ -14,6 +14,7 @@ input of each AOTInductor package).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import sys
@@ -86,6 +87,12 @@ def plan(fast, modes=MODES) -> list[GraphSpec]:
             out += [GraphSpec("draft_tree", B, None, "greedy", d) for d in range(fast.tree.max_depth)]
             out.append(GraphSpec("compact", B, None, "greedy", 0))
     return out
+
+
+def with_logits(plan: list[GraphSpec], logits) -> list[GraphSpec]:
+    """The rounds of ``plan`` (what logits processors change) with processors ``logits`` (a
+    :class:`specgraph.processors.LogitsSpec`, or None: the plain rounds)."""
+    return [dataclasses.replace(g, logits=logits) for g in plan if g.kind in ("round", "tree")]
 
 
 def example_inputs(fast, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
