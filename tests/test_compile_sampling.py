@@ -16,11 +16,11 @@ import torch
 from transformers import LlamaConfig, AutoModelForCausalLM
 
 import specgraph
+from heads_for_tests import random_head
 from law import gof_pvalue
 import specgraph.compiler as sg_compiler
 import specgraph.learned as sg_learned
 from specgraph.drafters import layer_skip
-from specgraph.heads import EagleHead, MedusaHeads
 from specgraph.warping import warped_probs
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
@@ -88,23 +88,6 @@ KINDS = [None, "ngram", "model", "self", "ngram-tree", "model-tree", "self-tree"
 # in earlier rounds; this cost curve (at the 64-row bucket) puts the choice between the depths
 # within reach of the random draft's acceptance, so the law is checked while the depth moves
 AUTO_COST = specgraph.perfmodel.CostModel(specgraph.perfmodel.CostCurve({BATCH: {1: 1.0, 2: 1.25, 3: 1.45}}))
-
-
-def random_head(target, kind):
-    """A randomly perturbed head bound to the target. The EAGLE head's fc starts by passing the token
-    embedding through and its output norm has the target's final-norm scale, so its q rows overlap
-    the target's (a head whose drafts are never accepted would not exercise the accept branch)."""
-    head = EagleHead(target.config) if kind == "eagle" else MedusaHeads.for_target(target.config, num_heads=2)
-    head.bind(target)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        if kind == "eagle":
-            H = target.config.hidden_size
-            head.fc.weight[:, :H] += torch.eye(H)
-            head.out_norm.weight.copy_(target.model.norm.weight)
-        for p in head.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return head.eval()
 
 
 def compile_fast(target, draft_kind, draft_model):

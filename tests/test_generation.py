@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 
 import specgraph
+from heads_for_tests import random_head
 from law import gof_pvalue
 import specgraph.compiler as sg_compiler
 from specgraph.generation import UnsupportedSetting
@@ -427,27 +428,10 @@ def test_warmup_with_a_generation_config_builds_the_processor_rounds(llama):
     assert fast.graphs_built == built
 
 
-def random_eagle(target):
-    """An EAGLE head bound to the target, perturbed from a pass-through start so some drafts are
-    accepted."""
-    from specgraph.heads import EagleHead
-
-    head = EagleHead(target.config)
-    head.bind(target)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        H = target.config.hidden_size
-        head.fc.weight[:, :H] += torch.eye(H)
-        head.out_norm.weight.copy_(target.model.norm.weight)
-        for p in head.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return head.eval()
-
-
 @pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]], ids=["chain", "tree"])
 def test_eagle_greedy_equals_model_generate_under_processors(tree):
     model = tiny_model("llama")
-    fast = specgraph.compile(model, random_eagle(model), num_speculative_tokens=3, tree=tree, backend="eager",
+    fast = specgraph.compile(model, random_head(model, "eagle"), num_speculative_tokens=3, tree=tree, backend="eager",
                              max_batch_size=4, max_seq_len=96)
     for B, rows in PROMPTS.items():
         ids, mask = left_pad(rows)
