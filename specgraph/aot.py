@@ -84,7 +84,7 @@ from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph
 from specgraph.warping import SamplingParams, check_sampling_params, normalize_filters
 
 FORMAT = "specgraph-aot"
-FORMAT_VERSION = 2  # 2: one round package per shape, the attended width a dynamic input
+FORMAT_VERSION = 3  # one round package per shape (the attended width a dynamic input); race-verified deterministic drafts
 MANIFEST = "manifest.json"
 MODEL_SUBDIR = "model"
 ONNX_SUBDIR = "onnx"

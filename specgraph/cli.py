@@ -687,6 +687,36 @@ def cmd_compile(args, formats=None) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from specgraph.serving.launch import ServeConfig
+
+    if _is_dir_artifact(args.model):
+        _die(f"{args.model} is a compiled directory; serve takes a MODEL (its graphs come from the graph cache, "
+             "which `specgraph compile` and earlier starts fill)", 2)
+    _check_model_arg(args.model)
+    cfg = ServeConfig(model=args.model, draft=None if args.draft == "none" else args.draft,
+                      num_speculative_tokens=args.num_speculative_tokens, max_batch_size=args.max_batch_size,
+                      max_seq_len=args.max_seq_len, max_queue=args.max_queue, max_logprobs=args.max_logprobs,
+                      request_timeout=args.request_timeout, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                      served_model_name=args.served_model_name, modes=args.modes, threads=args.threads,
+                      progress=not args.quiet)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        _die("specgraph serve needs FastAPI and uvicorn: pip install 'specgraph[serve]'", 1)
+    if args.ray_replicas is not None:
+        if args.ray_replicas < 1:
+            _die("--ray-replicas must be >= 1")
+        from specgraph.serving.ray_app import run_replicas
+
+        return run_replicas(cfg, args.ray_replicas, host=args.host, port=args.port)
+    from specgraph.serving.launch import run
+
+    run(cfg, host=args.host, port=args.port)
+    return 0
+
+
 def cmd_cache(args) -> int:
     from specgraph import graphcache
 
@@ -1097,6 +1127,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet_flag(pl)
     pl.set_defaults(func=cmd_plan)
 
+    sv = sub.add_parser(
+        "serve", help="serve MODEL over an OpenAI-compatible HTTP API (continuous batching, speculation adapted to load)",
+        description="Serve MODEL: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. Every graph is "
+                    "built (or loaded from the graph cache) before the port opens. Needs the serve extra: "
+                    "pip install 'specgraph[serve]' (FastAPI, uvicorn, prometheus_client; ray for --ray-replicas).",
+        epilog=_examples("specgraph serve default --port 8000",
+                         "specgraph serve default --draft none --max-batch-size 8",
+                         "specgraph serve ./my-hf-folder --max-logprobs 5",
+                         "specgraph serve default --ray-replicas 2"))
+    sv.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind")
+    sv.add_argument("--port", type=int, default=8000, help="port to bind")
+    sv.add_argument("--draft", default="ngram", choices=["ngram", "none"],
+                    help="drafter: prompt lookup, or none (plain decoding); the depth of each round follows the load")
+    sv.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="deepest drafted round")
+    sv.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (requests beyond wait)")
+    sv.add_argument("--max-seq-len", type=int, default=2048, help="longest prompt + max_tokens (+ K + 1) served")
+    sv.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row before 429 answers")
+    sv.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                    help="compute log-probabilities (and the top N per token) in every round; without it, "
+                         "requests for logprobs get a 400")
+    sv.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="a request not finished this long after it arrived gets a 504")
+    sv.add_argument("--top-k", type=int, default=None, help="top-k compiled into the sampling graphs (default: the model's)")
+    sv.add_argument("--top-p", type=float, default=None, help="top-p compiled into the sampling graphs (default: the model's)")
+    sv.add_argument("--min-p", type=float, default=None, help="min-p compiled into the sampling graphs (default: the model's)")
+    sv.add_argument("--modes", type=lambda v: tuple(_csv(v, "--modes", ("greedy", "sample"))), default=("greedy", "sample"),
+                    help="sampling lanes to build: greedy (temperature 0) and/or sample")
+    sv.add_argument("--served-model-name", default=None, help="the model id the API reports (default: MODEL)")
+    sv.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    sv.add_argument("--ray-replicas", type=int, default=None, metavar="N",
+                    help="run N replicas behind Ray Serve's router instead of one process (needs ray[serve])")
+    sv.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    sv.set_defaults(func=cmd_serve)
+
     gc = sub.add_parser(
         "cache", help="list (or --clear) the graph cache: the graphs specgraph.compile keeps on disk",
         description="List the graph cache (one folder per model and build settings, one AOTInductor package per "
@@ -1138,7 +1203,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     for flag, attr, low in (("--max-new-tokens", "max_new_tokens", 1), ("--num-speculative-tokens", "num_speculative_tokens", 1),
                             ("--runs", "runs", 1), ("--repeats", "repeats", 1), ("--threads", "threads", 1), ("--max-seq-len", "max_seq_len", 2),
-                            ("--max-batch-size", "max_batch_size", 1)):
+                            ("--max-batch-size", "max_batch_size", 1), ("--max-queue", "max_queue", 1)):
         value = getattr(args, attr, None)
         if value is not None and value < low:
             _die(f"{flag} must be >= {low}")

@@ -162,6 +162,25 @@ def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None, hidden=
     return (logits, last_hidden) if hidden else logits
 
 
+def advanced_slots(L, tokens, adv):
+    """Where a round's emitted tokens go in the history: pos [B, T] = L + 1 + j (the history holds
+    L + 1 tokens) and write [B, T] bool, j < adv (the tokens a row keeps). L [B], tokens [B, T],
+    adv [B] long (0 for rows not advanced)."""
+    step = torch.arange(tokens.shape[1], device=tokens.device)
+    return L.unsqueeze(1) + 1 + step, step.unsqueeze(0) < adv.unsqueeze(1)
+
+
+def advance_rows(hist, L, root, tokens, adv):
+    """Commit ``adv[b]`` of row b's emitted tokens: append them to the history hist [B, S] (in
+    place; slots past a row's length are its scratch) and return the new (L [B], root [B]). A
+    rolled-back draft's cache slot is simply not counted: the next round overwrites it."""
+    S = hist.shape[1]
+    pos, write = advanced_slots(L, tokens, adv)
+    hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens, hist[:, S - 1:]))
+    root = torch.where(adv > 0, tokens.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
+    return L + adv, root
+
+
 def scaled_logits(logits, temperature):
     """logits [B, Q, V] divided by a per-row temperature [B] float32: what ``warp_logits`` does
     first, with the temperature an input instead of a constant, so one sampling graph serves every
@@ -965,6 +984,37 @@ class SpecGraphModel:
             return SamplingParams(1.0)
         return self._graph_params(req.params)
 
+    # ------------------------------------------------------------------------------------------
+    # the engine surface a row scheduler drives (specgraph.serving): rounds, caches, prompt chunks
+
+    def round_graph(self, B: int, params: SamplingParams, width: int, k: int, extras: "RoundExtras | None" = None):
+        """The chain round of depth ``k`` at batch bucket ``B`` attending ``width`` slots (built
+        on first use, else from the graph set), called as
+        ``fn(root, L, active, accept_u, expo, drafts, draft_probs, [temperature,] *kv)``:
+        see :meth:`_round_fn`. ``kv`` may be the first B rows of a larger cache (``t[:B]`` of
+        each tensor: contiguous, so the round's writes land in it)."""
+        return self._round_fn(B, params, width, k, extras)
+
+    def kv_cache(self, B: int) -> list[torch.Tensor]:
+        """The target's KV cache for batch bucket ``B``: 2 x layers tensors [B, kv heads, slots,
+        head dim]; slot ``slots - 1`` is the scratch slot inactive rows write to."""
+        return self._cache(B)
+
+    def round_width(self, need: int) -> int:
+        """The attended width of a round whose live rows need ``need`` slots."""
+        return attend_width(need, self.slots, self.min_attend)
+
+    def prefill_chunk(self, kv: list[torch.Tensor], ids: torch.Tensor, start: int) -> None:
+        """Write prompt tokens ids [B, C] long at positions ``start`` .. ``start + C - 1`` into
+        ``kv`` (the rows' cache views, [B, H, slots, D] each), every token seeing slots 0 up to
+        its own position: a prompt is written chunk by chunk, in any number of calls, with the
+        model's own kernels (no graph per prompt length)."""
+        B, C = ids.shape
+        W = min(self.slots, start + C + 1)
+        pos = (start + torch.arange(C, device=ids.device)).expand(B, C).contiguous()
+        valid = torch.ones(B, C, dtype=torch.bool, device=ids.device)
+        prefill_logits(self._fill_step, ids, pos, valid, [t[:, :, :W] for t in kv], W, self.window)
+
     def _key_params(self, params: SamplingParams, extras: "RoundExtras | None") -> object:
         """A round graph's settings slot in its key: the graph's sampling settings, paired with the
         round's extras (logits processors, score outputs) when it has any."""
@@ -1511,17 +1561,12 @@ class SpecGraphModel:
             adv_h = [0 if done[b] else n_h[b] for b in range(B)]
             L_host = [L_host[b] + adv_h[b] for b in range(B)]
             adv = torch.tensor(adv_h, device=device)
-            T_round = tokens.shape[1]
-            step = torch.arange(T_round, device=device)
-            pos = L.unsqueeze(1) + 1 + step  # history holds L + 1 tokens
-            write = step.unsqueeze(0) < adv.unsqueeze(1)
-            hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens, hist[:, S - 1 :]))
             if proc:
                 seq, meta = proc
+                pos, write = advanced_slots(L, tokens, adv)
                 ppos = torch.where(write, pos + meta[:, :1], 2 * S - 1)
                 seq.scatter_(1, ppos, torch.where(write, tokens, seq[:, 2 * S - 1:]))
-            L = L + adv
-            root = torch.where(adv > 0, tokens.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
+            L, root = advance_rows(hist, L, root, tokens, adv)
         if stream is not None:
             stream.advance(new, [True] * n_rows)
             stream.end()

@@ -103,7 +103,7 @@ from specgraph.artifacts import sha256_file
 from specgraph.warping import normalize_filters, warped_probs
 
 FORMAT = "specgraph-onnx"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DEFAULT_OPSET = 18
 EXTERNAL_DATA_BYTES = 100 * 2**20
 WEIGHTS_FILE = "weights.bin"

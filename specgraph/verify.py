@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specgraph.kernels import chain_outcomes, tree_outcomes
+from specgraph.kernels.chain_reference import race_sample
 from specgraph.trees import TreeSpec
 from specgraph.warping import check_sampling_params, is_greedy, warp_logits
 
@@ -173,7 +174,16 @@ def verify_chain_with_noise(
     min_p: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`verify_chain` with the random numbers as inputs and no checks: the form traced into
-    compiled and exported graphs (reproducible given the same noise)."""
+    compiled and exported graphs (reproducible given the same noise).
+
+    Deterministic drafts (``draft_probs`` None) are verified by the exponential race: position j
+    emits ``argmax_v p_j[v] / expo[j, v]`` (a sample of p_j), and the draft is accepted iff it is
+    that token. The accept test of the general rule reduces to this coupling when q is one-hot
+    (accepted with probability p_j(x); otherwise the race winner among the other tokens, a
+    sample of the residual p_j with x removed), so the law is the same, and the emitted token
+    at each position depends on that position's noise alone: what was drafted there, and how
+    the rounds were cut, change only how many rounds a text takes (seeded serving requests
+    reproduce whatever shares their batch). ``accept_u`` is then unused."""
     K = draft_tokens.shape[1]
     if is_greedy(temperature):
         target = target_logits.argmax(dim=-1)  # [B, K+1]
@@ -181,6 +191,9 @@ def verify_chain_with_noise(
         return combine_chain(accepted, target, draft_tokens)
     accept_u, expo = noise
     warped = warp_logits(target_logits, temperature, top_k, top_p, min_p)
+    if draft_probs is None:
+        target = race_sample(torch.softmax(warped.float(), dim=-1), expo)  # [B, K+1]
+        return combine_chain(draft_tokens == target[:, :K], target, draft_tokens)
     accepted, recovered = chain_outcomes(warped, draft_probs, draft_tokens, accept_u, expo)
     return combine_chain(accepted, recovered, draft_tokens)
 

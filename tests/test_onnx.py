@@ -260,6 +260,11 @@ def test_graph_logits_cache_and_verification_match_torch(llama):
         expo = -torch.log(torch.rand(B, k + 1, V, generator=gen).clamp_min(1e-38))
         temp = torch.full((B,), [1.0, 0.7, 1.3][trial % 3])
         d = torch.randint(0, V, (B, k), generator=gen)
+        for _ in range(trial % (k + 1)):  # make the first drafts the race's winners: acceptance at several depths
+            r_tok, r_n = torch_sample(root, L, active, d, accept_u, expo, temp, *[t.clone() for t in kv])[:2]
+            for b in range(B):
+                if r_n[b] <= k:
+                    d[b, r_n[b] - 1] = r_tok[b, r_n[b] - 1]
         out = g.run("verify_k4_sample", {**base, "drafts": d, "accept_u": accept_u, "expo": expo, "temperature": temp})
         logits = torch.from_numpy(out["logits"])
         tok, n = verify_chain_with_noise(logits, None, d, (accept_u, expo), float(temp[0]))

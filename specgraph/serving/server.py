@@ -1,0 +1,430 @@
+"""The OpenAI-compatible HTTP server over a :class:`~specgraph.serving.engine.ServingEngine`
+(FastAPI + uvicorn; ``pip install 'specgraph[serve]'``).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's chat
+template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
+Requests carry OpenAI's fields: ``max_tokens`` (chat: also ``max_completion_tokens``),
+``temperature`` (0 = greedy, the output ``model.generate`` gives), ``seed``, ``stop``,
+``logprobs`` (chat: ``logprobs`` + ``top_logprobs``), ``stream`` (server-sent events), plus
+vLLM's ``ignore_eos``. The sampling filters (top-k / top-p / min-p) are compiled into the
+sampling graphs: a request may repeat them (``top_p``, ``top_k``, ``min_p`` equal to the
+server's) but not change them. Settings the engine cannot honour exactly (``n`` > 1,
+``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``echo``, ``best_of``, ``suffix``,
+tools) are refused with a 400 naming them. A full queue answers 429, a request past
+``request_timeout`` 504, a stopping server 503. A client that disconnects frees its row.
+Each choice also carries ``token_ids``: the generated token ids.
+"""
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from specgraph.serving.engine import EngineStopped, Event, QueueFull, ServeRequest, ServingEngine
+from specgraph.serving.text import TextTracker
+
+REQUEST_TIMEOUT = 600.0  # seconds from arrival to the last token
+DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default
+
+# fields OpenAI clients send by default or with neutral values, which the engine honours as sent
+NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "logit_bias": None,
+           "suffix": None, "user": None, "stream_options": None, "tools": None, "tool_choice": None,
+           "response_format": None, "parallel_tool_calls": None, "service_tier": None, "store": None,
+           "metadata": None}
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def _error_body(message: str, kind: str, param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class OpenAIServer:
+    """Request parsing, generation and response shapes; :func:`create_app` mounts it on FastAPI."""
+
+    def __init__(self, engine: ServingEngine, tokenizer, model_name: str, *, request_timeout: float = REQUEST_TIMEOUT):
+        self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.request_timeout = request_timeout
+        gc = engine.fast.model.generation_config
+        eos = gc.eos_token_id if gc.eos_token_id is not None else tokenizer.eos_token_id
+        self.eos = tuple([eos] if isinstance(eos, int) else (eos or []))
+        self.ttft: list[float] = []  # seconds from arrival to the first token, per finished request (last 1000)
+
+    # ------------------------------------------------------------------------------------------
+    # parsing
+
+    def _check_fields(self, body: dict, allowed: set[str]) -> None:
+        for name, value in body.items():
+            if name in allowed:
+                continue
+            if name in NEUTRAL:
+                if value in (NEUTRAL[name], None) or (name == "stream_options" and isinstance(value, dict)):
+                    continue
+                raise RequestError(400, f"{name}={value!r} is not supported by specgraph serve "
+                                        f"(only {NEUTRAL[name]!r}): it would change the output law", param=name)
+            raise RequestError(400, f"unknown field {name!r}", param=name)
+
+    def _sampling(self, body: dict) -> tuple[float, int | None]:
+        t = body.get("temperature")
+        t = 1.0 if t is None else t  # OpenAI's default
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or t < 0:
+            raise RequestError(400, f"temperature must be a number >= 0, got {t!r}", param="temperature")
+        baked = self.engine.sampling
+        for name, want, neutral in (("top_p", baked.top_p, 1.0), ("top_k", baked.top_k, -1), ("min_p", baked.min_p, 0.0)):
+            got = body.get(name)
+            if got is None or (float(t) == 0.0):
+                continue
+            same = got == want or (want is None and got in (neutral, 0 if name == "top_k" else neutral))
+            if not same:
+                raise RequestError(400, f"{name}={got!r}: this server's sampling graphs are compiled with {name}="
+                                        f"{want!r}; start it with --{name.replace('_', '-')} {got} to serve that",
+                                   param=name)
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise RequestError(400, f"seed must be an integer, got {seed!r}", param="seed")
+        return float(t), (None if seed is None else seed % (1 << 63))
+
+    def _stop(self, body: dict) -> list[str]:
+        stop = body.get("stop")
+        if stop is None:
+            return []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+            raise RequestError(400, "stop must be a string or a list of at most 16 strings", param="stop")
+        return stop
+
+    def _max_tokens(self, body: dict, names: tuple[str, ...], prompt_len: int) -> int:
+        for name in names:
+            v = body.get(name)
+            if v is not None:
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise RequestError(400, f"{name} must be a positive integer, got {v!r}", param=name)
+                return v
+        if names[0] == "max_tokens" and "messages" not in body:
+            return DEFAULT_MAX_TOKENS
+        # chat without a limit: as long as the context allows
+        return max(1, self.engine.fast.max_seq_len - prompt_len - self.engine.K - 1)
+
+    def completion_prompt(self, body: dict) -> list[int]:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            return self.tok(p, add_special_tokens=True).input_ids
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        raise RequestError(400, "prompt must be a string, a list of token ids, or a list holding one of them "
+                                "(one prompt per request)", param="prompt")
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
+            raise RequestError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+        if not getattr(self.tok, "chat_template", None):
+            raise RequestError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        out = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if not isinstance(out, list) else out
+        return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+    def build(self, body: dict, chat: bool) -> tuple[ServeRequest, TextTracker, int | None]:
+        common = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+                  "min_p", "seed", "stop", "stream", "logprobs", "top_logprobs", "ignore_eos"}
+        self._check_fields(body, common)
+        ids = self.chat_prompt(body) if chat else self.completion_prompt(body)
+        temperature, seed = self._sampling(body)
+        stop = self._stop(body)
+        n_top = None
+        if chat:
+            if body.get("logprobs"):
+                n_top = body.get("top_logprobs") or 0
+        elif body.get("logprobs") is not None:
+            n_top = body["logprobs"]
+        if n_top is not None and (not isinstance(n_top, int) or isinstance(n_top, bool) or n_top < 0):
+            raise RequestError(400, f"logprobs must be an integer >= 0, got {n_top!r}", param="logprobs")
+        text = TextTracker(self.tok, stop)
+        names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+        req = ServeRequest(ids, self._max_tokens(body, names, len(ids)), temperature, seed,
+                           eos=() if body.get("ignore_eos") else self.eos, stop=text.stop_cut if stop else None,
+                           logprobs=n_top)
+        return req, text, n_top
+
+    # ------------------------------------------------------------------------------------------
+    # generation
+
+    async def events(self, req: ServeRequest, is_disconnected=None):
+        """Submit ``req`` and yield its :class:`Event` s; cancels it when the consumer goes away
+        (a disconnected client, a timeout)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        arrived = time.perf_counter()
+        try:
+            handle = self.engine.submit(req, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        except QueueFull as e:
+            raise RequestError(429, f"server busy: {e}; retry later", kind="rate_limit_error") from e
+        except EngineStopped as e:
+            raise RequestError(503, str(e), kind="server_error") from e
+        except ValueError as e:
+            raise RequestError(400, str(e)) from e
+        deadline = arrived + self.request_timeout
+        done = False
+        try:
+            first = True
+            while True:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise RequestError(504, f"the request took longer than {self.request_timeout:g} s", kind="timeout")
+                try:
+                    ev = await asyncio.wait_for(queue.get(), timeout=min(left, 0.5))
+                except asyncio.TimeoutError:
+                    if is_disconnected is not None and await is_disconnected():
+                        return
+                    continue
+                if first and ev.tokens:
+                    first = False
+                    self.ttft = (self.ttft + [time.perf_counter() - arrived])[-1000:]
+                if ev.error is not None:
+                    done = True
+                    raise RequestError(503, ev.error, kind="server_error")
+                done = ev.finish is not None
+                yield ev
+                if done:
+                    return
+        finally:
+            if not done:
+                handle.cancel()
+
+    # ------------------------------------------------------------------------------------------
+    # responses
+
+    def _logprobs_completion(self, ids, lps, offset0: int) -> dict:
+        toks = [self.tok.decode([t]) for t in ids]
+        offsets, o = [], offset0
+        for s in toks:
+            offsets.append(o)
+            o += len(s)
+        return {"tokens": toks, "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{self.tok.decode([i]): v for i, v in top} for _, top in lps], "text_offset": offsets}
+
+    def _logprobs_chat(self, ids, lps) -> dict:
+        def entry(t, lp):
+            s = self.tok.decode([t])
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, (lp, top) in zip(ids, lps)]}
+
+    async def complete(self, body: dict, chat: bool, is_disconnected=None) -> dict:
+        req, text, n_top = self.build(body, chat)
+        ids, lps, finish = [], [], None
+        async for ev in self.events(req, is_disconnected):
+            ids += ev.tokens
+            lps += ev.logprobs or []
+            finish = ev.finish
+        if finish is None:  # disconnected: nobody reads this
+            return {}
+        out = text.final_text(ids, finish == "stop")
+        usage = {"prompt_tokens": len(req.prompt), "completion_tokens": len(ids),
+                 "total_tokens": len(req.prompt) + len(ids)}
+        rid, created = uuid.uuid4().hex, int(time.time())
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": finish,
+                      "logprobs": self._logprobs_chat(ids, lps) if n_top is not None else None, "token_ids": ids}
+            return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": self.model_name,
+                    "choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": out, "finish_reason": finish, "token_ids": ids,
+                  "logprobs": self._logprobs_completion(ids, lps, 0) if n_top is not None else None}
+        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": [choice], "usage": usage}
+
+    async def stream(self, body: dict, chat: bool, is_disconnected=None):
+        """Server-sent events: one chunk per round that released text, then ``[DONE]``. Errors
+        after the first chunk are sent as an ``error`` event (the status line is gone by then)."""
+        req, text, n_top = self.build(body, chat)
+        rid, created = uuid.uuid4().hex, int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": obj, "created": created,
+                "model": self.model_name}
+        events = self.events(req, is_disconnected)
+        try:
+            first = await events.__anext__()  # 400 / 429 / 503 surface before the stream starts
+        except StopAsyncIteration:
+            return _empty()
+
+        async def gen():
+            ids, ev, sent_role, offset = [], first, False, 0
+            try:
+                while True:
+                    ids += ev.tokens
+                    delta = text.delta(ids, ev.finish is not None)
+                    choice = {"index": 0, "finish_reason": ev.finish, "token_ids": ev.tokens}
+                    if chat:
+                        d = {"content": delta}
+                        if not sent_role:
+                            d, sent_role = {"role": "assistant", **d}, True
+                        choice["delta"] = d
+                        if n_top is not None:
+                            choice["logprobs"] = self._logprobs_chat(ev.tokens, ev.logprobs or [])
+                    else:
+                        choice["text"] = delta
+                        if n_top is not None:
+                            choice["logprobs"] = self._logprobs_completion(ev.tokens, ev.logprobs or [], offset)
+                    offset += len(delta)
+                    if delta or ev.finish is not None or n_top is not None:
+                        yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+                    if ev.finish is not None:
+                        break
+                    ev = await events.__anext__()
+            except RequestError as e:
+                yield f"data: {json.dumps(_error_body(e.message, e.kind))}\n\n"
+            except StopAsyncIteration:
+                return
+            finally:
+                await events.aclose()
+            yield "data: [DONE]\n\n"
+        return gen()
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specgraph", "max_model_len": self.engine.fast.max_seq_len}]}
+
+
+async def _empty():
+    if False:
+        yield ""
+
+
+def metrics_text(server: OpenAIServer) -> bytes:
+    """The engine's counters in the Prometheus text format (prometheus_client)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    eng, st = server.engine, server.engine.stats
+
+    class Collector:
+        def collect(self):
+            c = CounterMetricFamily("specgraph_requests", "requests accepted into the queue")
+            c.add_metric([], st.requests)
+            yield c
+            f = CounterMetricFamily("specgraph_requests_finished", "requests finished, by reason", labels=["reason"])
+            for reason, n in sorted(st.finished.items()):
+                f.add_metric([reason], n)
+            yield f
+            t = CounterMetricFamily("specgraph_generation_tokens", "tokens generated")
+            t.add_metric([], st.tokens)
+            yield t
+            p = CounterMetricFamily("specgraph_prompt_tokens", "prompt tokens written to the cache")
+            p.add_metric([], st.prefill_tokens)
+            yield p
+            r = CounterMetricFamily("specgraph_rounds", "rounds run")
+            r.add_metric([], st.rounds)
+            yield r
+            g = GaugeMetricFamily("specgraph_tokens_per_second", "tokens generated per second over the last 10 s")
+            g.add_metric([], st.tokens_per_second())
+            yield g
+            q = GaugeMetricFamily("specgraph_queue_depth", "requests waiting for a row")
+            q.add_metric([], eng.queue_depth)
+            yield q
+            o = GaugeMetricFamily("specgraph_batch_occupancy", "rows in use (decoding or being prefilled)")
+            o.add_metric([], eng.occupancy)
+            yield o
+            om = GaugeMetricFamily("specgraph_batch_occupancy_mean", "decoding rows per round, averaged over all rounds")
+            om.add_metric([], st.occupancy_sum / st.rounds if st.rounds else 0.0)
+            yield om
+            mb = GaugeMetricFamily("specgraph_max_batch_size", "rows the engine holds")
+            mb.add_metric([], eng.B)
+            yield mb
+            d = CounterMetricFamily("specgraph_depth_rounds", "rounds run at each speculation depth (0 = plain)",
+                                    labels=["depth"])
+            for k, n in sorted(st.depth_rounds.items()):
+                d.add_metric([str(k)], n)
+            yield d
+            a = GaugeMetricFamily("specgraph_acceptance", "fraction of drafts accepted at each drafted position "
+                                  "(among drafts that reached it)", labels=["position"])
+            for j, n in sorted(st.drafted.items()):
+                a.add_metric([str(j)], st.accepted[j] / n if n else 0.0)
+            yield a
+            if server.ttft:
+                ts = sorted(server.ttft)
+                tt = GaugeMetricFamily("specgraph_time_to_first_token_seconds", "time to first token over the last "
+                                       "1000 requests", labels=["quantile"])
+                for q_ in (0.5, 0.9, 0.99):
+                    tt.add_metric([str(q_)], ts[min(len(ts) - 1, int(q_ * len(ts)))])
+                yield tt
+
+    reg = CollectorRegistry()
+    reg.register(Collector())
+    return generate_latest(reg)
+
+
+def create_app(engine: ServingEngine, tokenizer, model_name: str, *, request_timeout: float = REQUEST_TIMEOUT):
+    """The FastAPI app. Its lifespan starts the engine's scheduler and, at shutdown, stops it:
+    requests still queued or running then get an error (503), none hangs."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    server = OpenAIServer(engine, tokenizer, model_name, request_timeout=request_timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    app = FastAPI(title="specgraph", lifespan=lifespan)
+    app.state.server = server
+
+    def error(e: RequestError):
+        return JSONResponse(_error_body(e.message, e.kind, e.param), status_code=e.status)
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise RequestError(400, f"the body is not JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise RequestError(400, "the body must be a JSON object")
+        return body
+
+    async def handle(request: Request, chat: bool):
+        try:
+            body = await body_of(request)
+            if body.get("stream"):
+                gen = await server.stream(body, chat, request.is_disconnected)
+                return StreamingResponse(gen, media_type="text/event-stream")
+            out = await server.complete(body, chat, request.is_disconnected)
+            return JSONResponse(out)
+        except RequestError as e:
+            return error(e)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        ok = engine.running
+        return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics_text(server), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+__all__ = ["create_app", "OpenAIServer", "RequestError", "metrics_text", "REQUEST_TIMEOUT"]
