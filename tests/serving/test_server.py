@@ -222,6 +222,7 @@ def test_overload_429_and_cancellation(served):
 
     # a streaming client that goes away frees its row
     async def leave_early():
+        ac = openai.AsyncOpenAI(base_url=live.url, api_key="none", max_retries=0)
         stream = await ac.completions.create(model="tiny", prompt="abc", max_tokens=400, temperature=0, stream=True,
                                              extra_body={"ignore_eos": True})
         async for _ in stream:
