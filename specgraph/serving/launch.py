@@ -26,6 +26,7 @@ class ServeConfig:
     served_model_name: str | None = None
     modes: tuple[str, ...] = ("greedy", "sample")
     autotune: object = "auto"
+    backend: str = "inductor"  # "eager": no compiled graphs (tests, debugging)
     threads: int | None = None
     progress: bool = True
 
@@ -58,6 +59,7 @@ def build_server(cfg: ServeConfig):
     plain_rounds = cfg.max_logprobs is None
     fast = specgraph.compile(model, cfg.draft, num_speculative_tokens=cfg.num_speculative_tokens,
                              max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len, autotune=cfg.autotune,
+                             backend=cfg.backend,
                              modes=cfg.modes, warmup=plain_rounds, progress=cfg.progress)
     t_compile = time.perf_counter() - t0 - t_load
     base = fast.default_sampling()

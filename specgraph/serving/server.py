@@ -247,6 +247,8 @@ class OpenAIServer:
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": obj, "created": created,
                 "model": self.model_name}
+        opts = body.get("stream_options") or {}
+        usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
         events = self.events(req, is_disconnected)
         try:
             first = await events.__anext__()  # 400 / 429 / 503 surface before the stream starts
@@ -283,6 +285,10 @@ class OpenAIServer:
                 return
             finally:
                 await events.aclose()
+            if usage:  # OpenAI's last chunk with stream_options.include_usage: no choices, the counts
+                counts = {"prompt_tokens": len(req.prompt), "completion_tokens": len(ids),
+                          "total_tokens": len(req.prompt) + len(ids)}
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': counts})}\n\n"
             yield "data: [DONE]\n\n"
         return gen()
 
