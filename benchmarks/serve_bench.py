@@ -13,9 +13,10 @@ is checked complete (``--max-tokens`` tokens by the server's usage count), and f
     python benchmarks/serve_bench.py --vllm-python /work/vllm-venv/bin/python \\
         --out benchmarks/results/serve_smollm2.json
 
-specgraph runs twice (``--specgraph-runs``): the second process loads its graphs from the graph
-cache the first wrote, so its start-up is the second-process figure, and its levels show how
-much the machine drifted. The table goes to stdout, the JSON to ``--out``.
+specgraph runs once per ``--specgraph-variants`` entry (``--speculation`` auto, off, a fixed
+depth), one process after another on the same graphs: later processes load them from the graph
+cache the first wrote (their start-up is the second-process figure), and a repeated variant shows
+how much the machine drifted. The table goes to stdout, the JSON to ``--out``.
 """
 from __future__ import annotations
 
@@ -213,7 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--check", type=int, default=4, help="prompts whose text is compared with HF generate")
     ap.add_argument("--specgraph-args", default="--max-batch-size 16", help="extra `specgraph serve` flags")
-    ap.add_argument("--specgraph-runs", type=int, default=2, help="specgraph server processes, one after another")
+    ap.add_argument("--specgraph-variants", default="auto,off,4,auto",
+                    help="`specgraph serve --speculation` of each specgraph server process, one after another")
     ap.add_argument("--vllm-python", default=None, help="the vllm venv's python (benchmarks/vllm_setup.sh)")
     ap.add_argument("--vllm-methods", default="plain,ngram")
     ap.add_argument("--startup-timeout", type=float, default=3600)
@@ -226,12 +228,12 @@ def main(argv=None) -> int:
 
     refs = hf_references(args.check, args.max_tokens)
     runs = []
-    for i in range(args.specgraph_runs):
+    for i, spec in enumerate(v for v in args.specgraph_variants.split(",") if v):
         port = free_port()
         cmd = [sys.executable, "-m", "specgraph.cli", "serve", "default", "--port", str(port), "--quiet",
-               "--served-model-name", MODEL_NAME, *args.specgraph_args.split()]
-        runs.append(bench_server(f"specgraph#{i + 1}", cmd, levels, args.max_tokens, f"{args.logs}/specgraph{i + 1}.log",
-                                 port, args.startup_timeout))
+               "--served-model-name", MODEL_NAME, "--speculation", spec, *args.specgraph_args.split()]
+        runs.append(bench_server(f"specgraph {spec} #{i + 1}", cmd, levels, args.max_tokens,
+                                 f"{args.logs}/specgraph{i + 1}.log", port, args.startup_timeout))
     if args.vllm_python:
         vllm = os.path.join(os.path.dirname(args.vllm_python), "vllm")
         folder = str(gguf_cache_folder("default"))

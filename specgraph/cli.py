@@ -687,6 +687,16 @@ def cmd_compile(args, formats=None) -> int:
     return 0
 
 
+def _speculation_arg(value: str, args):
+    if value == "auto":
+        return "auto"
+    if value == "off":
+        return 0
+    if value.isdigit() and int(value) == args.num_speculative_tokens:
+        return int(value)
+    _die(f"--speculation must be auto, off or {args.num_speculative_tokens} (--num-speculative-tokens), got {value!r}")
+
+
 def cmd_serve(args) -> int:
     from specgraph.serving.launch import ServeConfig
 
@@ -699,7 +709,7 @@ def cmd_serve(args) -> int:
                       max_seq_len=args.max_seq_len, max_queue=args.max_queue, max_logprobs=args.max_logprobs,
                       request_timeout=args.request_timeout, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                       served_model_name=args.served_model_name, modes=args.modes, threads=args.threads,
-                      progress=not args.quiet)
+                      progress=not args.quiet, speculation=_speculation_arg(args.speculation, args))
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -1142,6 +1152,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--draft", default="ngram", choices=["ngram", "none"],
                     help="drafter: prompt lookup, or none (plain decoding); the depth of each round follows the load")
     sv.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="deepest drafted round")
+    sv.add_argument("--speculation", default="auto", metavar="auto|off|K",
+                    help="auto: each round's depth from the load and the rows' acceptance; off: plain rounds on the "
+                         "same graphs; K: every round with a prompt-lookup match at depth K")
     sv.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (requests beyond wait)")
     sv.add_argument("--max-seq-len", type=int, default=2048, help="longest prompt + max_tokens (+ K + 1) served")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row before 429 answers")

@@ -112,6 +112,20 @@ class LoadAwareDepth:
         self.pool_cnt[:reached] += 1
 
 
+class FixedServingDepth(LoadAwareDepth):
+    """Every round at one depth (0 = plain) when the drafter has a proposal for some row, else
+    plain: the baselines ``auto`` is measured against, on the same graphs."""
+
+    def __init__(self, depths, depth: int):
+        super().__init__(depths)
+        if depth not in self.depths:
+            raise ValueError(f"depth {depth} is not among the compiled depths {self.depths}")
+        self.depth = depth
+
+    def choose(self, b, estimates, drafted):
+        return self.depth if any(drafted) else 0
+
+
 def measure_costs(engine, repeats: int = 3, extras=None) -> dict[tuple[int, int], float]:
     """Time a greedy round of every (batch bucket, depth) of ``engine``'s set on placeholder
     inputs (all rows active: run before any request, while the cache holds none) and give the
@@ -142,4 +156,4 @@ def measure_costs(engine, repeats: int = 3, extras=None) -> dict[tuple[int, int]
     return out
 
 
-__all__ = ["LoadAwareDepth", "measure_costs"]
+__all__ = ["LoadAwareDepth", "FixedServingDepth", "measure_costs"]

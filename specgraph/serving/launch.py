@@ -27,6 +27,7 @@ class ServeConfig:
     modes: tuple[str, ...] = ("greedy", "sample")
     autotune: object = "auto"
     backend: str = "inductor"  # "eager": no compiled graphs (tests, debugging)
+    speculation: object = "auto"  # "auto" (depth per round, by load) or a fixed depth (0 = off, or K)
     threads: int | None = None
     progress: bool = True
 
@@ -66,8 +67,13 @@ def build_server(cfg: ServeConfig):
     sampling = SamplingParams(1.0, cfg.top_k if cfg.top_k is not None else base.top_k,
                               cfg.top_p if cfg.top_p is not None else base.top_p,
                               cfg.min_p if cfg.min_p is not None else base.min_p)
+    policy = None
+    if cfg.speculation != "auto":
+        from specgraph.serving.depth import FixedServingDepth
+
+        policy = FixedServingDepth(fast.chain_depths(), int(cfg.speculation))
     engine = ServingEngine(fast, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk, sampling=sampling,
-                           max_logprobs=cfg.max_logprobs)
+                           max_logprobs=cfg.max_logprobs, policy=policy)
     warm = engine.warmup(cfg.modes, progress=cfg.progress)
     name = cfg.served_model_name or cfg.model
     app = create_app(engine, tok, name, request_timeout=cfg.request_timeout)

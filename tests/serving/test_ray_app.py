@@ -22,7 +22,7 @@ def test_application_wiring():
     app = build_app(cfg, replicas=2)
     dep = deployment(2)
     assert dep.num_replicas == 2 and dep.name == "specgraph"
-    assert dep.func_or_class.__name__ == "ASGIIngressWrapper" and issubclass(dep.func_or_class, SpecgraphReplica)
+    assert issubclass(dep.func_or_class, SpecgraphReplica) and hasattr(dep.func_or_class, "__serve_build_asgi_app__")
     bound = app._bound_deployment
     assert bound.init_args[0]["model"] == "some/folder" and bound.init_args[0]["max_batch_size"] == 2
     assert ServeConfig(**bound.init_args[0]) == cfg  # a replica rebuilds the same config
