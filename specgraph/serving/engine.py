@@ -135,14 +135,34 @@ class EngineStats:
         return sum(n for _, n in pts) / max(now - pts[0][0], 1e-3) if len(pts) > 1 else 0.0
 
 
-def position_noise(seed: int, start: int, count: int, V: int) -> torch.Tensor:
-    """Exp(1) noise [count, V] for sequence positions start .. start + count - 1 of a row with
-    ``seed``: position p's row depends on (seed, p) alone."""
-    out = torch.empty(count, V)
-    for j in range(count):
-        g = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + start + j) % (1 << 63))
-        out[j] = exponential_noise((V,), "cpu", g)
-    return out
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
+_MIX1, _MIX2 = -4658895280553007687, -7723592293110705685  # splitmix64's multipliers, signed
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic): a bijection whose outputs
+    for consecutive inputs are statistically independent."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def position_noise(seeds, starts, count: int, V: int) -> torch.Tensor:
+    """Exp(1) noise [R, count, V] for sequence positions starts[r] .. starts[r] + count - 1 of
+    rows with ``seeds`` [R] (ints or an int64 tensor): entry (r, j, v) is a hash of (seed,
+    position, v), so a position's noise depends on its seed and position alone, whatever the
+    round that draws it. Uniforms have 24 bits, as ``torch.rand``'s float32 ones."""
+    seeds = torch.as_tensor(seeds, dtype=torch.long).view(-1, 1, 1)
+    pos = torch.as_tensor(starts, dtype=torch.long).view(-1, 1, 1) + torch.arange(count).view(1, -1, 1)
+    key = _mix64(_mix64(seeds) + pos * _GOLDEN)  # [R, count, 1]
+    bits = _shr(_mix64(key + torch.arange(V).view(1, 1, -1) * _GOLDEN), 40)  # [R, count, V], 24 bits
+    u = (bits.to(torch.float64) + 0.5) * 2.0 ** -24  # in (0, 1): no draw is 0 or inf
+    return (-torch.log(u)).to(torch.float32)
 
 
 def serving_support(fast: SpecGraphModel) -> str | None:
@@ -426,11 +446,9 @@ class ServingEngine:
             params = self.sampling
             expo = torch.ones(b, k + 1, self.V)
             temps = torch.ones(b)
-            for i, on in enumerate(active.tolist()):
-                if on:
-                    row = self.rows[i]
-                    expo[i] = position_noise(row.seed, L_host[i] + 1, k + 1, self.V)
-                    temps[i] = row.handle.req.temperature
+            on = [i for i, a in enumerate(active.tolist()) if a]
+            expo[on] = position_noise([self.rows[i].seed for i in on], [L_host[i] + 1 for i in on], k + 1, self.V)
+            temps[on] = torch.tensor([self.rows[i].handle.req.temperature for i in on])
             expo, temp = expo.to(self.device), (temps.to(self.device),)
         fn = self.fast.round_graph(b, params, width, k, self.extras)
         return fn(self.root[:b], self.L[:b], active, accept_u, expo, drafts, accept_u, *temp, *kv)

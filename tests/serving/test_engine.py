@@ -135,10 +135,21 @@ def test_race_verification_emits_the_race_winner_whatever_was_drafted():
 
 
 def test_position_noise_depends_on_seed_and_position_only():
-    a = position_noise(3, 10, 4, 50)
-    b = position_noise(3, 12, 2, 50)
-    assert torch.equal(a[2:], b) and not torch.equal(position_noise(4, 10, 4, 50), a)
-    assert (a > 0).all()
+    a = position_noise([3], [10], 4, 50)[0]
+    b = position_noise([7, 3], [0, 12], 2, 50)[1]
+    assert torch.equal(a[2:], b) and not torch.equal(position_noise([4], [10], 4, 50)[0], a)
+    assert (a > 0).all() and torch.isfinite(a).all()
+
+
+def test_position_noise_is_exponential():
+    """Kolmogorov-Smirnov against Exp(1) over 200k draws (alpha = 1e-4), and uncorrelated
+    neighbours; control: the same draws squared are rejected."""
+    from scipy import stats
+
+    x = position_noise(list(range(40)), list(range(0, 4000, 100)), 5, 1000).flatten().double()
+    assert stats.kstest(x.numpy(), "expon").pvalue > 1e-4
+    assert stats.kstest((x ** 2).numpy(), "expon").pvalue < 1e-4
+    assert abs(torch.corrcoef(torch.stack([x[:-1], x[1:]]))[0, 1]) < 0.02
 
 
 def test_depth_policy_follows_load_and_acceptance():
