@@ -309,39 +309,30 @@ def metrics_text(server: OpenAIServer) -> bytes:
 
     eng, st = server.engine, server.engine.stats
 
+    def plain():
+        """(family class, name, help, value) of the metrics without labels."""
+        yield CounterMetricFamily, "specgraph_requests", "requests accepted into the queue", st.requests
+        yield CounterMetricFamily, "specgraph_generation_tokens", "tokens generated", st.tokens
+        yield CounterMetricFamily, "specgraph_prompt_tokens", "prompt tokens written to the cache", st.prefill_tokens
+        yield CounterMetricFamily, "specgraph_rounds", "rounds run", st.rounds
+        yield (GaugeMetricFamily, "specgraph_tokens_per_second", "tokens generated per second over the last 10 s",
+               st.tokens_per_second())
+        yield GaugeMetricFamily, "specgraph_queue_depth", "requests waiting for a row", eng.queue_depth
+        yield GaugeMetricFamily, "specgraph_batch_occupancy", "rows in use (decoding or being prefilled)", eng.occupancy
+        yield (GaugeMetricFamily, "specgraph_batch_occupancy_mean", "decoding rows per round, averaged over all rounds",
+               st.occupancy_sum / st.rounds if st.rounds else 0.0)
+        yield GaugeMetricFamily, "specgraph_max_batch_size", "rows the engine holds", eng.B
+
     class Collector:
         def collect(self):
-            c = CounterMetricFamily("specgraph_requests", "requests accepted into the queue")
-            c.add_metric([], st.requests)
-            yield c
+            for family, name, doc, value in plain():
+                m = family(name, doc)
+                m.add_metric([], value)
+                yield m
             f = CounterMetricFamily("specgraph_requests_finished", "requests finished, by reason", labels=["reason"])
             for reason, n in sorted(st.finished.items()):
                 f.add_metric([reason], n)
             yield f
-            t = CounterMetricFamily("specgraph_generation_tokens", "tokens generated")
-            t.add_metric([], st.tokens)
-            yield t
-            p = CounterMetricFamily("specgraph_prompt_tokens", "prompt tokens written to the cache")
-            p.add_metric([], st.prefill_tokens)
-            yield p
-            r = CounterMetricFamily("specgraph_rounds", "rounds run")
-            r.add_metric([], st.rounds)
-            yield r
-            g = GaugeMetricFamily("specgraph_tokens_per_second", "tokens generated per second over the last 10 s")
-            g.add_metric([], st.tokens_per_second())
-            yield g
-            q = GaugeMetricFamily("specgraph_queue_depth", "requests waiting for a row")
-            q.add_metric([], eng.queue_depth)
-            yield q
-            o = GaugeMetricFamily("specgraph_batch_occupancy", "rows in use (decoding or being prefilled)")
-            o.add_metric([], eng.occupancy)
-            yield o
-            om = GaugeMetricFamily("specgraph_batch_occupancy_mean", "decoding rows per round, averaged over all rounds")
-            om.add_metric([], st.occupancy_sum / st.rounds if st.rounds else 0.0)
-            yield om
-            mb = GaugeMetricFamily("specgraph_max_batch_size", "rows the engine holds")
-            mb.add_metric([], eng.B)
-            yield mb
             d = CounterMetricFamily("specgraph_depth_rounds", "rounds run at each speculation depth (0 = plain)",
                                     labels=["depth"])
             for k, n in sorted(st.depth_rounds.items()):
