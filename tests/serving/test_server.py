@@ -244,19 +244,24 @@ def test_overload_429_and_cancellation(served):
 def test_shutdown_with_requests_in_flight(char_tokenizer):
     """Stopping the server while requests run: each gets a full response or an error, none hangs."""
     model = tiny_model()
-    fast = specgraph.compile(model, None, max_batch_size=2, max_seq_len=512, warmup=False)
+    # eager rounds: a compile still running in the scheduler thread would outlive the test
+    fast = specgraph.compile(model, None, max_batch_size=2, max_seq_len=512, backend="eager")
     engine = ServingEngine(fast, max_queue=8)
     live = Live(create_app(engine, char_tokenizer(), "tiny"))
     ac = openai.AsyncOpenAI(base_url=live.url, api_key="none", max_retries=0, timeout=60)
+
+    stopper = threading.Thread(target=live.stop)
 
     async def run():
         reqs = [asyncio.create_task(ac.completions.create(model="tiny", prompt="abc", max_tokens=300, temperature=0,
                                                           extra_body={"ignore_eos": True})) for _ in range(5)]
         await asyncio.sleep(1.0)
-        threading.Thread(target=live.stop).start()
+        stopper.start()
         return await asyncio.wait_for(asyncio.gather(*reqs, return_exceptions=True), 90)
 
     out = asyncio.run(run())
+    stopper.join(60)
     assert len(out) == 5
     for r in out:
         assert isinstance(r, Exception) or len(r.choices[0].model_extra["token_ids"]) == 300
+    assert not engine.running  # the scheduler thread ended with the server
