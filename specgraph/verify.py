@@ -187,15 +187,15 @@ def verify_chain_with_noise(
     K = draft_tokens.shape[1]
     if is_greedy(temperature):
         target = target_logits.argmax(dim=-1)  # [B, K+1]
-        accepted = draft_tokens == target[:, :K]
-        return combine_chain(accepted, target, draft_tokens)
-    accept_u, expo = noise
-    warped = warp_logits(target_logits, temperature, top_k, top_p, min_p)
-    if draft_probs is None:
+    else:
+        accept_u, expo = noise
+        warped = warp_logits(target_logits, temperature, top_k, top_p, min_p)
+        if draft_probs is not None:
+            accepted, recovered = chain_outcomes(warped, draft_probs, draft_tokens, accept_u, expo)
+            return combine_chain(accepted, recovered, draft_tokens)
         target = race_sample(torch.softmax(warped.float(), dim=-1), expo)  # [B, K+1]
-        return combine_chain(draft_tokens == target[:, :K], target, draft_tokens)
-    accepted, recovered = chain_outcomes(warped, draft_probs, draft_tokens, accept_u, expo)
-    return combine_chain(accepted, recovered, draft_tokens)
+    # greedy and the race: one token per position whatever was drafted; accept while the draft is it
+    return combine_chain(draft_tokens == target[:, :K], target, draft_tokens)
 
 
 # ----------------------------------------------------------------------------------------------
