@@ -48,7 +48,6 @@ class LoadAwareDepth:
         K = max(self.K, 1)
         self.pool_acc, self.pool_cnt = torch.full((K,), prior_accept), torch.ones(K)
         self.off_rounds = 0
-        self.chosen: dict[int, int] = {}
 
     # ------------------------------------------------------------------------------------------
 
@@ -100,7 +99,6 @@ class LoadAwareDepth:
         """A round at bucket ``b`` and depth ``d`` took ``seconds`` (``lanes`` graph calls)."""
         if lanes != 1 or not math.isfinite(seconds) or seconds <= 0:
             return
-        self.chosen[d] = self.chosen.get(d, 0) + 1
         old = self.costs.get((b, d))
         self.costs[(b, d)] = seconds if old is None else COST_KEEP * old + (1 - COST_KEEP) * seconds
 
@@ -126,30 +124,26 @@ class FixedServingDepth(LoadAwareDepth):
         return self.depth if any(drafted) else 0
 
 
-def measure_costs(engine, repeats: int = 3, extras=None) -> dict[tuple[int, int], float]:
-    """Time a greedy round of every (batch bucket, depth) of ``engine``'s set on placeholder
-    inputs (all rows active: run before any request, while the cache holds none) and give the
-    policy the medians. ``extras``: the rounds' extras (the engine's).
-    Returns {(bucket, depth): seconds}."""
-    from specgraph.graphset import batch_buckets
+def measure_costs(engine, repeats: int = 3) -> dict[tuple[int, int], float]:
+    """Time a greedy round of every (batch bucket, depth) of ``engine``'s set, with the engine's
+    extras, on the graph set's placeholder inputs (all rows active: run before any request, while
+    the cache holds none) and give the policy the medians. Returns {(bucket, depth): seconds}."""
+    from specgraph.graphset import GraphSpec, batch_buckets, example_inputs
     from specgraph.warping import SamplingParams
 
     fast, out = engine.fast, {}
-    dev = engine.device
     width = fast.round_width(fast.min_attend)
     with torch.no_grad():
         for b in batch_buckets(engine.B):
             kv = [t[:b] for t in engine.kv]
             for d in engine.depths:
-                fn = fast.round_graph(b, SamplingParams(0.0), width, d, extras)
-                args = (torch.zeros(b, dtype=torch.long, device=dev), torch.ones(b, dtype=torch.long, device=dev),
-                        torch.ones(b, dtype=torch.bool, device=dev), torch.zeros(b, d, device=dev),
-                        torch.ones(b, d + 1, 1, device=dev), torch.zeros(b, d, dtype=torch.long, device=dev))
-                fn(*args, args[3], *kv)
+                fn = fast.round_graph(b, SamplingParams(0.0), width, d, engine.extras)
+                args, _ = example_inputs(fast, GraphSpec("round", b, None, "greedy", d), engine.V)
+                fn(*args, *kv)
                 times = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
-                    fn(*args, args[3], *kv)[1].tolist()
+                    fn(*args, *kv)[1].tolist()
                     times.append(time.perf_counter() - t0)
                 out[(b, d)] = sorted(times)[len(times) // 2]
                 engine.policy.set_cost(b, d, out[(b, d)])

@@ -38,6 +38,7 @@ import torch
 
 from specgraph.compiler import NGRAM_MAX, NGRAM_MIN, RoundExtras, SpecGraphModel, advance_rows
 from specgraph.drafters import ngram_propose
+from specgraph.generation import stop_at
 from specgraph.graphset import batch_buckets
 from specgraph.serving.depth import LoadAwareDepth, measure_costs
 from specgraph.verify import exponential_noise
@@ -88,8 +89,6 @@ class Handle:
     def __init__(self, engine: "ServingEngine", req: ServeRequest, sink: Callable[[Event], None]):
         self.engine, self.req, self.sink = engine, req, sink
         self.cancelled = False
-        self.submitted = time.perf_counter()
-        self.first_token: float | None = None
         self.finish: str | None = None  # why it ended, once it has
 
     def cancel(self) -> None:
@@ -119,7 +118,6 @@ class EngineStats:
     finished: dict = field(default_factory=lambda: collections.Counter())
     tokens: int = 0
     rounds: int = 0
-    round_seconds: float = 0.0
     prefill_tokens: int = 0
     depth_rounds: dict = field(default_factory=lambda: collections.Counter())  # depth -> rounds
     drafted: dict = field(default_factory=lambda: collections.Counter())  # position -> drafts verified there
@@ -285,7 +283,7 @@ class ServingEngine:
                                mode == "greedy", [0] * b, [t[:b] for t in self.kv])
                 bar.advance(name, time.perf_counter() - t1)
             bar.close()
-        costs = measure_costs(self, extras=self.extras)
+        costs = measure_costs(self)
         return {"graphs": len(combos), "seconds": round(time.perf_counter() - t0, 2), "costs": costs}
 
     # ------------------------------------------------------------------------------------------
@@ -425,7 +423,6 @@ class ServingEngine:
         self.policy.observe(b, k, seconds, lanes=int(any(greedy)) + int(any(sampled)))
         st = self.stats
         st.rounds += 1
-        st.round_seconds += seconds
         st.depth_rounds[k] += 1
         st.occupancy_sum += sum(live)
         self._finish_rows()
@@ -465,11 +462,8 @@ class ServingEngine:
             got = tokens_h[i][: n_h[i]]
             self._observe_acceptance(row, k, n_h[i])
             req = row.handle.req
-            keep, finish = got[: req.max_tokens - len(row.new)], None
-            for j, t in enumerate(keep):
-                if t in req.eos:
-                    keep, finish = keep[: j + 1], "stop"
-                    break
+            keep, eos = stop_at(got, req.max_tokens - len(row.new), req.eos)
+            finish = "stop" if eos else None
             if req.stop is not None and keep:
                 cut = req.stop(row.new + keep)
                 if cut is not None:
@@ -479,8 +473,6 @@ class ServingEngine:
                 finish = "length"
             adv[i] = n_h[i]
             emitted += len(keep)
-            if row.handle.first_token is None and keep:
-                row.handle.first_token = now
             row.handle.finish = finish
             lps = None
             if req.logprobs is not None and lp_h is not None:

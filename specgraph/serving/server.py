@@ -16,6 +16,7 @@ Each choice also carries ``token_ids``: the generated token ids.
 """
 
 import asyncio
+import collections
 import contextlib
 import json
 import time
@@ -53,7 +54,7 @@ class OpenAIServer:
         gc = engine.fast.model.generation_config
         eos = gc.eos_token_id if gc.eos_token_id is not None else tokenizer.eos_token_id
         self.eos = tuple([eos] if isinstance(eos, int) else (eos or []))
-        self.ttft: list[float] = []  # seconds from arrival to the first token, per finished request (last 1000)
+        self.ttft: collections.deque[float] = collections.deque(maxlen=1000)  # arrival to first token, per request
 
     # ------------------------------------------------------------------------------------------
     # parsing
@@ -186,7 +187,7 @@ class OpenAIServer:
                     continue
                 if first and ev.tokens:
                     first = False
-                    self.ttft = (self.ttft + [time.perf_counter() - arrived])[-1000:]
+                    self.ttft.append(time.perf_counter() - arrived)
                 if ev.error is not None:
                     done = True
                     raise RequestError(503, ev.error, kind="server_error")
