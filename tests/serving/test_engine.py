@@ -7,28 +7,19 @@ import time
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import specgraph
 from specgraph.serving import LoadAwareDepth, ServeRequest, ServingEngine
 from specgraph.serving.engine import position_noise
 from specgraph.verify import combine_chain, verify_chain_with_noise
 from specgraph.warping import warp_logits
+from tiny_models import tiny_causal_lm
 
 EOS = 5
 
 
 def tiny(arch="llama", seed=0):
-    torch.manual_seed(seed)
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              vocab_size=128, max_position_embeddings=1024)
-    if arch == "llama":
-        kw["num_key_value_heads"] = 2
-    cfg = AutoConfig.for_model(arch, **kw)
-    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
-    m.generation_config.eos_token_id = EOS
-    m.generation_config.pad_token_id = 0
-    return m
+    return tiny_causal_lm(arch, eos=EOS, seed=seed)
 
 
 def run_all(engine, reqs, timeout=300):

@@ -14,6 +14,7 @@ serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pi
 
 from specgraph.serving.launch import ServeConfig  # noqa: E402
 from specgraph.serving.ray_app import SpecgraphReplica, build_app, deployment  # noqa: E402
+from tiny_models import tiny_causal_lm  # noqa: E402
 
 
 def test_application_wiring():
@@ -31,13 +32,7 @@ def test_application_wiring():
 
 
 def _tiny_folder(path, char_tokenizer):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                               max_position_embeddings=1024, eos_token_id=2, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model = tiny_causal_lm(eos=2)  # the character tokenizer's </s>
     model.save_pretrained(path)
     char_tokenizer().save_pretrained(path)
     return model

@@ -19,11 +19,10 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 pytest.importorskip("prometheus_client")
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-
 import specgraph  # noqa: E402
 from specgraph.serving import ServingEngine  # noqa: E402
 from specgraph.serving.server import create_app  # noqa: E402
+from tiny_models import tiny_causal_lm  # noqa: E402
 
 EOS = 2  # the character tokenizer's </s>
 CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -31,14 +30,7 @@ CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %
 
 
 def tiny_model():
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                               max_position_embeddings=1024)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = EOS
-    model.generation_config.pad_token_id = 0
-    return model
+    return tiny_causal_lm(eos=EOS)
 
 
 class Live:
