@@ -52,6 +52,12 @@ def cpu_model() -> str:
         return platform.processor()
 
 
+def git_commit() -> str:
+    """The checkout's commit (short), which a result file records."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
+
 def quantile(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -267,9 +273,7 @@ def main(argv=None) -> int:
                   f"{lv['chunk_gap_p99_ms']:>7.0f}ms{lv['incomplete']:>6}")
         print(f"{run['server']:<18} start-up to first token {run.get('startup_to_first_token_s')} s; "
               f"HF mismatches {run['hf_mismatches']}{'; ' + run['error'] if 'error' in run else ''}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    result = {"benchmark": "serve_bench", "commit": commit, "cpu": cpu_model(), "max_tokens": args.max_tokens, "levels": levels,
+    result = {"benchmark": "serve_bench", "commit": git_commit(), "cpu": cpu_model(), "max_tokens": args.max_tokens, "levels": levels,
               "specgraph_args": args.specgraph_args, "runs": runs,
               "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "MALLOC_MMAP_THRESHOLD_")}}
     if args.out:

@@ -11,11 +11,11 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_bench import cpu_model, git_commit  # noqa: E402
 from stream_prompts import PROMPTS  # noqa: E402
 
 
@@ -70,8 +70,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     st = engine.stats
     result = {
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip(),
+        "commit": git_commit(), "cpu": cpu_model(),
         "requests": args.requests, "prompt_tokens": sum(len(r.prompt) for r in reqs), "tokens": st.tokens,
         "startup_s": round(startup, 1), "wall_s": round(wall, 2), "tokens_per_s": round(st.tokens / wall, 1),
         "rounds": st.rounds, "depth_rounds": dict(st.depth_rounds),
