@@ -273,8 +273,8 @@ def main(argv=None) -> int:
                   f"{lv['chunk_gap_p99_ms']:>7.0f}ms{lv['incomplete']:>6}")
         print(f"{run['server']:<18} start-up to first token {run.get('startup_to_first_token_s')} s; "
               f"HF mismatches {run['hf_mismatches']}{'; ' + run['error'] if 'error' in run else ''}")
-    result = {"benchmark": "serve_bench", "commit": git_commit(), "cpu": cpu_model(), "max_tokens": args.max_tokens, "levels": levels,
-              "specgraph_args": args.specgraph_args, "runs": runs,
+    result = {"benchmark": "serve_bench", "commit": git_commit(), "cpu": cpu_model(), "max_tokens": args.max_tokens,
+              "levels": levels, "specgraph_args": args.specgraph_args, "runs": runs,
               "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "MALLOC_MMAP_THRESHOLD_")}}
     if args.out:
         with open(args.out, "w") as f:
