@@ -709,7 +709,8 @@ def cmd_serve(args) -> int:
                       max_seq_len=args.max_seq_len, max_queue=args.max_queue, max_logprobs=args.max_logprobs,
                       request_timeout=args.request_timeout, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                       served_model_name=args.served_model_name, modes=args.modes, threads=args.threads,
-                      progress=not args.quiet, speculation=_speculation_arg(args.speculation, args))
+                      progress=not args.quiet, speculation=_speculation_arg(args.speculation, args),
+                      prefix_cache_mb=args.prefix_cache_mb)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -1158,6 +1159,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (requests beyond wait)")
     sv.add_argument("--max-seq-len", type=int, default=2048, help="longest prompt + max_tokens (+ K + 1) served")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row before 429 answers")
+    sv.add_argument("--prefix-cache-mb", type=int, default=512, metavar="MB",
+                    help="memory for the KV of prompt prefixes already seen (shared system prompts, repeated "
+                         "documents): their prefill is a copy; 0 turns it off")
     sv.add_argument("--max-logprobs", type=int, default=None, metavar="N",
                     help="compute log-probabilities (and the top N per token) in every round; without it, "
                          "requests for logprobs get a 400")
@@ -1216,7 +1220,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     for flag, attr, low in (("--max-new-tokens", "max_new_tokens", 1), ("--num-speculative-tokens", "num_speculative_tokens", 1),
                             ("--runs", "runs", 1), ("--repeats", "repeats", 1), ("--threads", "threads", 1), ("--max-seq-len", "max_seq_len", 2),
-                            ("--max-batch-size", "max_batch_size", 1), ("--max-queue", "max_queue", 1)):
+                            ("--max-batch-size", "max_batch_size", 1), ("--max-queue", "max_queue", 1),
+                            ("--prefix-cache-mb", "prefix_cache_mb", 0)):
         value = getattr(args, attr, None)
         if value is not None and value < low:
             _die(f"{flag} must be >= {low}")

@@ -9,7 +9,8 @@ that leaves is refilled by the last row, its cache slots copied over.
 
 Each pass of the scheduler thread:
 
-1. admits queued requests into free rows;
+1. admits queued requests into free rows, copying in the KV of the longest prompt prefix
+   already prefilled for an earlier request (:mod:`specgraph.serving.prefix`);
 2. writes at most ``prefill_chunk`` prompt tokens of the rows still being prefilled (a long
    prompt takes several passes, and the other rows keep decoding between them);
 3. runs one round for the decoding rows: prompt-lookup drafts, the depth the load-aware policy
@@ -41,10 +42,13 @@ from specgraph.drafters import ngram_propose
 from specgraph.generation import stop_at
 from specgraph.graphset import batch_buckets
 from specgraph.serving.depth import LoadAwareDepth, measure_costs
+from specgraph.serving.prefix import PrefixCache
 from specgraph.verify import exponential_noise
 from specgraph.warping import SamplingParams, check_sampling_params
 
 PREFILL_CHUNK = 256  # prompt tokens written per scheduler pass (the decoding rows wait at most one chunk)
+PREFIX_CACHE_BYTES = 512 << 20  # the pool of reusable prompt blocks (:mod:`specgraph.serving.prefix`)
+PREFIX_BLOCK = 32  # prompt tokens per reusable block
 MAX_QUEUE = 256  # requests waiting for a row before submit() refuses
 
 
@@ -118,7 +122,8 @@ class EngineStats:
     finished: dict = field(default_factory=lambda: collections.Counter())
     tokens: int = 0
     rounds: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed by prefill
+    prefix_tokens: int = 0  # prompt tokens copied from the prefix cache instead
     depth_rounds: dict = field(default_factory=lambda: collections.Counter())  # depth -> rounds
     drafted: dict = field(default_factory=lambda: collections.Counter())  # position -> drafts verified there
     accepted: dict = field(default_factory=lambda: collections.Counter())  # position -> accepted there
@@ -180,7 +185,8 @@ class ServingEngine:
 
     def __init__(self, fast: SpecGraphModel, *, max_queue: int = MAX_QUEUE, prefill_chunk: int = PREFILL_CHUNK,
                  policy: LoadAwareDepth | None = None, sampling: SamplingParams | None = None,
-                 max_logprobs: int | None = None):
+                 max_logprobs: int | None = None, prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+                 prefix_block: int = PREFIX_BLOCK):
         why = serving_support(fast)
         if why is not None:
             raise ValueError(f"cannot serve this compiled object: {why}")
@@ -201,6 +207,10 @@ class ServingEngine:
         self.max_logprobs = max_logprobs
         self.extras = None if max_logprobs is None else RoundExtras(logprobs=max_logprobs)
         self.kv = fast.kv_cache(self.B)
+        if prefix_cache_bytes < 0 or prefix_block < 1:
+            raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block >= 1")
+        blocks = prefix_cache_bytes // PrefixCache.bytes_per_block(self.kv, prefix_block)
+        self.prefix = PrefixCache(self.kv, prefix_block, blocks) if blocks > 0 else None
         self.hist = torch.zeros(self.B, self.S, dtype=torch.long, device=self.device)
         self.L = torch.zeros(self.B, dtype=torch.long, device=self.device)
         self.root = torch.zeros(self.B, dtype=torch.long, device=self.device)
@@ -348,8 +358,12 @@ class ServingEngine:
             while self.queue and len(self.rows) < self.B:
                 h = self.queue.popleft()
                 seed = h.req.seed if h.req.seed is not None else secrets.randbits(63)
-                self.rows.append(Row(h, seed, acc=torch.zeros(max(self.K, 1)), cnt=torch.zeros(max(self.K, 1))))
-                if self.rows[-1].decoding:  # a one-token prompt: nothing to prefill
+                row = Row(h, seed, acc=torch.zeros(max(self.K, 1)), cnt=torch.zeros(max(self.K, 1)))
+                self.rows.append(row)
+                if self.prefix is not None:  # the cached whole blocks of the tokens prefill would write
+                    row.prefilled = self.prefix.load(h.req.prompt[:-1], self.kv, len(self.rows) - 1)
+                    self.stats.prefix_tokens += row.prefilled
+                if row.decoding:  # a one-token prompt: nothing to prefill
                     self._start_decoding(len(self.rows) - 1)
 
     def _drop_cancelled(self) -> None:
@@ -379,6 +393,8 @@ class ServingEngine:
             budget -= n
             self.stats.prefill_tokens += n
             if row.decoding:
+                if self.prefix is not None:
+                    self.prefix.store(prompt[:-1], self.kv, i)
                 self._start_decoding(i)
 
     def _start_decoding(self, i: int) -> None:
@@ -521,4 +537,4 @@ class ServingEngine:
 
 
 __all__ = ["ServingEngine", "ServeRequest", "Event", "Handle", "EngineStats", "QueueFull", "EngineStopped",
-           "position_noise", "serving_support", "PREFILL_CHUNK", "MAX_QUEUE"]
+           "position_noise", "serving_support", "PREFILL_CHUNK", "MAX_QUEUE", "PREFIX_CACHE_BYTES", "PREFIX_BLOCK"]

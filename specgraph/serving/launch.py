@@ -20,6 +20,7 @@ class ServeConfig:
     max_logprobs: int | None = None
     request_timeout: float = 600.0
     prefill_chunk: int = 256
+    prefix_cache_mb: int = 512  # the prompt-prefix KV pool (0: off)
     top_k: int | None = None  # None: the model's default sampling filters (what model.generate applies)
     top_p: float | None = None
     min_p: float | None = None
@@ -73,7 +74,7 @@ def build_server(cfg: ServeConfig):
 
         policy = FixedServingDepth(fast.chain_depths(), int(cfg.speculation))
     engine = ServingEngine(fast, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk, sampling=sampling,
-                           max_logprobs=cfg.max_logprobs, policy=policy)
+                           max_logprobs=cfg.max_logprobs, policy=policy, prefix_cache_bytes=cfg.prefix_cache_mb << 20)
     warm = engine.warmup(cfg.modes, progress=cfg.progress)
     name = cfg.served_model_name or cfg.model
     app = create_app(engine, tok, name, request_timeout=cfg.request_timeout)

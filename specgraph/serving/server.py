@@ -314,7 +314,11 @@ def metrics_text(server: OpenAIServer) -> bytes:
         """(family class, name, help, value) of the metrics without labels."""
         yield CounterMetricFamily, "specgraph_requests", "requests accepted into the queue", st.requests
         yield CounterMetricFamily, "specgraph_generation_tokens", "tokens generated", st.tokens
-        yield CounterMetricFamily, "specgraph_prompt_tokens", "prompt tokens written to the cache", st.prefill_tokens
+        yield CounterMetricFamily, "specgraph_prompt_tokens", "prompt tokens computed by prefill", st.prefill_tokens
+        yield (CounterMetricFamily, "specgraph_prefix_cache_tokens", "prompt tokens copied from the prefix cache",
+               st.prefix_tokens)
+        yield (GaugeMetricFamily, "specgraph_prefix_cache_blocks", "prompt blocks held by the prefix cache",
+               eng.prefix.used if eng.prefix is not None else 0)
         yield CounterMetricFamily, "specgraph_rounds", "rounds run", st.rounds
         yield (GaugeMetricFamily, "specgraph_tokens_per_second", "tokens generated per second over the last 10 s",
                st.tokens_per_second())

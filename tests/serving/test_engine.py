@@ -3,7 +3,6 @@ retire), chunked prefill, per-row greedy exactness, seeded sampling independent 
 and the load-aware depth policy."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -13,35 +12,7 @@ from specgraph.serving import LoadAwareDepth, ServeRequest, ServingEngine
 from specgraph.serving.engine import position_noise
 from specgraph.verify import combine_chain, verify_chain_with_noise
 from specgraph.warping import warp_logits
-from tiny_models import tiny_causal_lm
-
-EOS = 5
-
-
-def tiny(arch="llama", seed=0):
-    return tiny_causal_lm(arch, eos=EOS, seed=seed)
-
-
-def run_all(engine, reqs, timeout=300):
-    """Submit every request, step the engine until all finished; returns each one's tokens."""
-    outs = [[] for _ in reqs]
-    ends = [None] * len(reqs)
-
-    def sink(i):
-        def put(ev):
-            outs[i].extend(ev.tokens)
-            if ev.finish or ev.error:
-                ends[i] = ev.finish or ev.error
-        return put
-
-    for i, r in enumerate(reqs):
-        engine.submit(r, sink(i))
-    t0 = time.time()
-    while any(e is None for e in ends):
-        assert time.time() - t0 < timeout
-        engine.step()
-    return outs, ends
-
+from tiny_models import EOS, run_all, tiny
 
 def prompts(n, seed=1):
     g = torch.Generator().manual_seed(seed)
