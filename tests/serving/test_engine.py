@@ -3,7 +3,6 @@ retire), chunked prefill, per-row greedy exactness, seeded sampling independent 
 and the load-aware depth policy."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
