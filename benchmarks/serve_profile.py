@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--speculation", default="auto", help="auto, or a fixed depth (0 = off)")
+    ap.add_argument("--prefix-cache-mb", type=int, default=512, help="the engine's prompt-prefix pool (0: off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
                              progress=False)
     startup = time.perf_counter() - t0
     policy = None if args.speculation == "auto" else FixedServingDepth(fast.chain_depths(), int(args.speculation))
-    engine = ServingEngine(fast, policy=policy)
+    engine = ServingEngine(fast, policy=policy, prefix_cache_bytes=args.prefix_cache_mb << 20)
     costs = engine.warmup(("greedy",), progress=False)["costs"]
 
     phases = collections.Counter()
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
     result = {
         "commit": git_commit(), "cpu": cpu_model(),
         "requests": args.requests, "prompt_tokens": sum(len(r.prompt) for r in reqs), "tokens": st.tokens,
+        "prefill_tokens": st.prefill_tokens, "prefix_cache_tokens": st.prefix_tokens,
         "startup_s": round(startup, 1), "wall_s": round(wall, 2), "tokens_per_s": round(st.tokens / wall, 1),
         "rounds": st.rounds, "depth_rounds": dict(st.depth_rounds),
         "mean_decoding_rows": round(st.occupancy_sum / max(st.rounds, 1), 2),

@@ -9,10 +9,11 @@ that leaves is refilled by the last row, its cache slots copied over.
 
 Each pass of the scheduler thread:
 
-1. admits queued requests into free rows, copying in the KV of the longest prompt prefix
-   already prefilled for an earlier request (:mod:`specgraph.serving.prefix`);
-2. writes at most ``prefill_chunk`` prompt tokens of the rows still being prefilled (a long
-   prompt takes several passes, and the other rows keep decoding between them);
+1. admits queued requests into free rows;
+2. copies into the rows still being prefilled the KV of their longest prompt prefix already
+   computed for another request (:mod:`specgraph.serving.prefix`), then computes at most
+   ``prefill_chunk`` prompt tokens of them (a long prompt takes several passes, and the other
+   rows keep decoding between them);
 3. runs one round for the decoding rows: prompt-lookup drafts, the depth the load-aware policy
    (:class:`specgraph.serving.depth.LoadAwareDepth`) picks for this occupancy, then the round
    graph, once per sampling lane present (greedy rows and sampled rows run different graphs;
@@ -358,12 +359,8 @@ class ServingEngine:
             while self.queue and len(self.rows) < self.B:
                 h = self.queue.popleft()
                 seed = h.req.seed if h.req.seed is not None else secrets.randbits(63)
-                row = Row(h, seed, acc=torch.zeros(max(self.K, 1)), cnt=torch.zeros(max(self.K, 1)))
-                self.rows.append(row)
-                if self.prefix is not None:  # the cached whole blocks of the tokens prefill would write
-                    row.prefilled = self.prefix.load(h.req.prompt[:-1], self.kv, len(self.rows) - 1)
-                    self.stats.prefix_tokens += row.prefilled
-                if row.decoding:  # a one-token prompt: nothing to prefill
+                self.rows.append(Row(h, seed, acc=torch.zeros(max(self.K, 1)), cnt=torch.zeros(max(self.K, 1))))
+                if self.rows[-1].decoding:  # a one-token prompt: nothing to prefill
                     self._start_decoding(len(self.rows) - 1)
 
     def _drop_cancelled(self) -> None:
@@ -378,23 +375,28 @@ class ServingEngine:
                 self._retire(i)
 
     def _prefill(self) -> None:
-        """Write up to ``prefill_chunk`` prompt tokens, oldest waiting row first."""
+        """Copy in every waiting row's prompt blocks that the prefix cache holds, then compute up
+        to ``prefill_chunk`` prompt tokens, oldest waiting row first, keeping their whole blocks
+        (a row that waits behind another with the same prompt copies what that one computed)."""
         budget = self.prefill_chunk
         for i, row in enumerate(self.rows):
-            if budget <= 0:
-                break
-            prompt = row.handle.req.prompt
             if row.decoding:
                 continue
-            n = min(budget, len(prompt) - 1 - row.prefilled)
-            ids = torch.tensor([prompt[row.prefilled: row.prefilled + n]], device=self.device)
-            self.fast.prefill_chunk([t[i: i + 1] for t in self.kv], ids, row.prefilled)
-            row.prefilled += n
-            budget -= n
-            self.stats.prefill_tokens += n
-            if row.decoding:
+            prompt = row.handle.req.prompt
+            if self.prefix is not None:
+                have = row.prefilled
+                row.prefilled = self.prefix.load(prompt[:-1], self.kv, i, have)
+                self.stats.prefix_tokens += row.prefilled - have
+            if budget > 0 and not row.decoding:
+                n = min(budget, len(prompt) - 1 - row.prefilled)
+                ids = torch.tensor([prompt[row.prefilled: row.prefilled + n]], device=self.device)
+                self.fast.prefill_chunk([t[i: i + 1] for t in self.kv], ids, row.prefilled)
+                row.prefilled += n
+                budget -= n
+                self.stats.prefill_tokens += n
                 if self.prefix is not None:
-                    self.prefix.store(prompt[:-1], self.kv, i)
+                    self.prefix.store(prompt[: row.prefilled], self.kv, i)
+            if row.decoding:
                 self._start_decoding(i)
 
     def _start_decoding(self, i: int) -> None:

@@ -60,21 +60,24 @@ class PrefixCache:
         for bid in reversed(ids):  # the first block ends most recent: leaves are evicted first
             self.lru.move_to_end(bid)
 
-    def load(self, tokens: list[int], kv: list[torch.Tensor], row: int) -> int:
-        """Copy the longest cached prefix of ``tokens`` into row ``row`` of ``kv`` (slots from 0);
-        returns its length in tokens (a multiple of ``block``)."""
+    def load(self, tokens: list[int], kv: list[torch.Tensor], row: int, have: int = 0) -> int:
+        """Copy the longest cached prefix of ``tokens`` into row ``row`` of ``kv`` (slot = position),
+        skipping the whole blocks below ``have`` (the tokens the row already holds); returns the
+        tokens the row holds now: max(have, the prefix's length, a multiple of ``block``)."""
         self.lookups += 1
         ids = self._chain(tokens)
-        if not ids:
-            return 0
-        self._touch(ids)
         n = len(ids) * self.block
-        sel = torch.tensor(ids, device=self.pool[0].device)
+        if n <= have:
+            return have
+        self._touch(ids)
+        first = have // self.block
+        lo = first * self.block
+        sel = torch.tensor(ids[first:], device=self.pool[0].device)
         for t, p in zip(kv, self.pool):
             blocks = p.index_select(0, sel)  # [n_blocks, H, block, D]
-            t[row, :, :n] = blocks.transpose(0, 1).reshape(t.shape[1], n, t.shape[3])
+            t[row, :, lo:n] = blocks.transpose(0, 1).reshape(t.shape[1], n - lo, t.shape[3])
         self.hits += 1
-        self.reused_tokens += n
+        self.reused_tokens += n - have
         return n
 
     def store(self, tokens: list[int], kv: list[torch.Tensor], row: int) -> int:

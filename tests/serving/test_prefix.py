@@ -29,6 +29,10 @@ def test_load_copies_the_stored_blocks_and_stops_at_the_first_miss():
     assert pc.load(toks[:4] + [0] + toks[5:], kv, row=1) == 4  # a miss in block 2 ends the match
     assert pc.load([1] + toks[1:], kv, row=1) == 0
     assert pc.load(toks[:7], kv, row=1) == 4  # only whole blocks
+    kv[0][1].zero_()
+    assert pc.load(toks, kv, row=1, have=5) == 8  # copies block 1 (from slot 4) and block 2
+    assert kv[0][1, :, :4].abs().sum() == 0 and torch.equal(kv[0][1, :, 4:8], kv[0][0, :, 4:8])
+    assert pc.load(toks, kv, row=1, have=9) == 9  # holds more than the cache has: nothing copied
 
 
 def test_a_block_matches_only_after_the_same_parent():
@@ -90,3 +94,16 @@ def test_requests_sharing_prefixes_equal_generate():
 
     bad = NoisyPool(fast, prefill_chunk=7, prefix_block=8)
     assert run_all(bad, reqs)[0] != outs
+
+
+def test_identical_prompts_arriving_together_are_computed_once():
+    """The second row waits behind the first (oldest first) and copies its blocks as they are
+    computed: of its 59 prompt tokens only the 3 after the last whole block are computed."""
+    model = tiny()
+    p = torch.randint(6, 120, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    want = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+    fast = specgraph.compile(model, None, max_batch_size=2, max_seq_len=256, backend="eager")
+    engine = ServingEngine(fast, prefill_chunk=16, prefix_block=8)
+    outs, _ = run_all(engine, [ServeRequest(p, 12), ServeRequest(p, 12)])
+    assert outs == [want, want]
+    assert engine.stats.prefill_tokens == 59 + 3 and engine.stats.prefix_tokens == 56
