@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import threading
 import time
 import warnings
@@ -284,6 +285,9 @@ SUFFIX_MIN_SCORE = 0.1
 # 2-core CPU: benchmarks/suffix_min_match_bench.py)
 SUFFIX_MIN_MATCH = 2
 MIN_ATTEND = 256  # overridable for tests
+# past MIN_ATTEND, CPU rounds attend the live slots rounded up to this step: a round's attention
+# reads every attended slot of every row, and one dynamic-width graph serves every width
+WIDTH_STEP = 64
 # compile(warmup=None) builds the whole graph set up front (the test suite turns this off: each test
 # then builds only the graphs it runs; the warmup tests pass warmup=True)
 WARMUP_BY_DEFAULT = True
@@ -488,12 +492,14 @@ def resolve_autotune(autotune, model) -> bool:
     return autotune
 
 
-def attend_width(need: int, slots: int, min_attend: int | None = None) -> int:
-    """Attended cache prefix for a round: the smallest power of two >= need (at least ``min_attend``,
-    default MIN_ATTEND), or all slots. Each width is one compiled graph, so widths are few."""
+def attend_width(need: int, slots: int, min_attend: int | None = None, step: int | None = None) -> int:
+    """Attended cache prefix for a round: at least ``min_attend`` (default MIN_ATTEND) and ``need``,
+    or all slots. Past ``min_attend`` it grows by multiples of ``step`` (one dynamic-width graph
+    serves them all, and a round reads ``need`` rounded up to the step) or, with ``step=None``,
+    by powers of two (on CUDA each width is a CUDA graph of its own, so widths must be few)."""
     w = MIN_ATTEND if min_attend is None else min_attend
-    while w < need:
-        w *= 2
+    if need > w:
+        w = -(-need // step) * step if step else w * 2 ** math.ceil(math.log2(need / w))
     return w if w < slots else slots
 
 
@@ -819,6 +825,12 @@ class SpecGraphModel:
         on_cuda = next(self.model.parameters()).device.type == "cuda"
         return MIN_ATTEND_CUDA if on_cuda else MIN_ATTEND
 
+    @property
+    def width_step(self) -> int | None:
+        """How attended widths grow past :attr:`min_attend`: by WIDTH_STEP slots on the CPU, by
+        powers of two (None) on CUDA, where each width is a CUDA graph of its own."""
+        return None if next(self.model.parameters()).device.type == "cuda" else WIDTH_STEP
+
     def set_depths(self, depths) -> None:
         """The chain depths model-free drafters move between (one compiled graph each): they start
         at the smallest, climb after a fully accepted round and step down after a poor one."""
@@ -1002,7 +1014,7 @@ class SpecGraphModel:
 
     def round_width(self, need: int) -> int:
         """The attended width of a round whose live rows need ``need`` slots."""
-        return attend_width(need, self.slots, self.min_attend)
+        return attend_width(need, self.slots, self.min_attend, self.width_step)
 
     def prefill_chunk(self, kv: list[torch.Tensor], ids: torch.Tensor, start: int) -> None:
         """Write prompt tokens ids [B, C] long at positions ``start`` .. ``start + C - 1`` into
@@ -1493,7 +1505,7 @@ class SpecGraphModel:
         temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
         while not all(done):
             need = max(L_host[b] for b in range(B) if not done[b]) + self.span
-            width = attend_width(need, S, self.min_attend)
+            width = attend_width(need, S, self.min_attend, self.width_step)
             active = torch.tensor([not d for d in done], device=device)
             tree = None if self.tree is None else self._propose_tree(B, width, hist, L, root, active)
             if tree is not None:

@@ -256,7 +256,7 @@ def measure_round_costs(fast, batch_sizes, grid, context: int, repeats: int = 5,
 
     device = next(fast.model.parameters()).device
     V = fast.model.get_output_embeddings().weight.shape[0]
-    width = attend_width(context + max(grid), fast.slots, fast.min_attend)
+    width = attend_width(context + max(grid), fast.slots, fast.min_attend, fast.width_step)
     params = SamplingParams(0.0)
     g = torch.Generator().manual_seed(0)
     calls = {}  # (B, N) -> a call of that shape's round on fixed random inputs
@@ -293,7 +293,7 @@ def measure_draft_costs(fast, batch_sizes, context: int, repeats: int = 5, progr
 
     device = next(fast.model.parameters()).device
     V = fast.model.get_output_embeddings().weight.shape[0]
-    width = attend_width(context + fast.span, fast.slots, fast.min_attend)
+    width = attend_width(context + fast.span, fast.slots, fast.min_attend, fast.width_step)
     step, per_round = {}, {}
     g = torch.Generator().manual_seed(1)
     for B in batch_sizes:

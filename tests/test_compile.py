@@ -791,3 +791,7 @@ def test_attended_width_minimum_is_per_device(llama):
     assert sg_compiler.attend_width(300, 2048, sg_compiler.MIN_ATTEND_CUDA) == 1024  # CUDA: one width up to 1024
     assert sg_compiler.attend_width(300, 600, sg_compiler.MIN_ATTEND_CUDA) == 600  # never past the cache
     assert specgraph.compile(llama, backend="eager").min_attend == sg_compiler.MIN_ATTEND  # a CPU model
+    # CPU: past the minimum, the live slots rounded up to WIDTH_STEP (one dynamic-width graph serves all)
+    assert sg_compiler.attend_width(300, 2048, 256, 64) == 320 and sg_compiler.attend_width(200, 2048, 256, 64) == 256
+    fast = specgraph.compile(llama, backend="eager", max_seq_len=1024)
+    assert fast.width_step == sg_compiler.WIDTH_STEP and fast.round_width(300) == 320
