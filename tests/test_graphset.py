@@ -141,6 +141,27 @@ def test_generate_never_compiles_after_warmup(llama, monkeypatch):
     assert _compiles() > compiles
 
 
+def test_fine_grained_widths_do_not_compile(llama, monkeypatch):
+    """CPU widths grow by WIDTH_STEP past the minimum (here 16): six attended widths from 16 to
+    the whole cache run on the one dynamic-width graph built by warmup, equal to generate, with
+    no compile."""
+    monkeypatch.setattr(specgraph.compiler, "WARMUP_BY_DEFAULT", True)
+    monkeypatch.setattr(specgraph.compiler, "MIN_ATTEND", 16)
+    fast = specgraph.compile(llama, None, max_batch_size=1, max_seq_len=300, modes=("greedy",), progress=False,
+                             cache=False)
+    built, compiles = dict(fast.graphs_built), _compiles()
+    widths = set()
+    for P in (3, 40, 70, 100, 140, 190, 230, 270):
+        ids = torch.randint(2, 100, (1, P), generator=torch.Generator().manual_seed(P))
+        widths |= {fast.round_width(P + j) for j in range(1, 22)}
+        out = fast.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=127)
+        ref = llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                             pad_token_id=127)
+        assert torch.equal(out, ref), P
+    assert {16, 64, 128, 192, 256} < widths and all(w % 64 == 0 or w in (16, fast.slots) for w in widths)
+    assert fast.graphs_built == built and _compiles() == compiles
+
+
 @torch.no_grad()
 def test_attend_mask_width_pass_matches_full_width():
     model = tiny_llama()
