@@ -898,7 +898,7 @@ def test_cost_curve_builds_every_shape_before_timing_them_in_turn():
     class Fake:  # the parts of a compiled object the cost curve touches
         model = torch.nn.Linear(4, 8)
         model.get_output_embeddings = lambda: Fake.model
-        slots, min_attend = 64, None
+        slots, min_attend, width_step = 64, None, None
 
         def _cache(self, B):
             return ()

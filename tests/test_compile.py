@@ -167,6 +167,7 @@ TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 def test_greedy_equals_hf_generate(arch, draft, monkeypatch):
     # small attended widths so rounds cross several attend_prefix_pass buckets (32 -> 64 slots)
     monkeypatch.setattr(sg_compiler, "MIN_ATTEND", 16)
+    monkeypatch.setattr(sg_compiler, "WIDTH_STEP", 16)
     model = tiny_model(arch)
     kind, tree = draft, None
     if draft is not None and draft.endswith("-tree"):

@@ -70,7 +70,8 @@ KINDS = ["eagle", "eagle-tree", "eagle-dynamic", "medusa", "medusa-tree", "layer
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_equals_hf_generate(kind, monkeypatch):
-    monkeypatch.setattr(sg_compiler, "MIN_ATTEND", 16)  # rounds cross attended-width buckets
+    monkeypatch.setattr(sg_compiler, "MIN_ATTEND", 16)
+    monkeypatch.setattr(sg_compiler, "WIDTH_STEP", 16)  # rounds cross attended-width buckets
     model = tiny_model("llama")
     fast = make_fast(model, kind)
     assert fast.fallback_reason is None
@@ -193,6 +194,7 @@ def test_eagle_proposals_equal_from_scratch_reference(kind, target, monkeypatch)
     features and the head's attention while many are still accepted (features along accepted tree
     paths are then checked too)."""
     monkeypatch.setattr(sg_compiler, "MIN_ATTEND", 16)
+    monkeypatch.setattr(sg_compiler, "WIDTH_STEP", 16)
     tree = {"eagle": None, "eagle-tree": TREE, "eagle-dynamic": "dynamic"}[kind]
     if target == "random":
         model = tiny_model("llama")
