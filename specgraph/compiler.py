@@ -1016,15 +1016,22 @@ class SpecGraphModel:
         """The attended width of a round whose live rows need ``need`` slots."""
         return attend_width(need, self.slots, self.min_attend, self.width_step)
 
-    def prefill_chunk(self, kv: list[torch.Tensor], ids: torch.Tensor, start: int) -> None:
-        """Write prompt tokens ids [B, C] long at positions ``start`` .. ``start + C - 1`` into
-        ``kv`` (the rows' cache views, [B, H, slots, D] each), every token seeing slots 0 up to
-        its own position: a prompt is written chunk by chunk, in any number of calls, with the
-        model's own kernels (no graph per prompt length)."""
+    def prefill_chunk(self, kv: list[torch.Tensor], ids: torch.Tensor, start, lengths=None) -> None:
+        """Write prompt tokens ids [B, C] long into ``kv`` (the rows' cache views, [B, H, slots, D]
+        each): row b's token j at position ``start`` + j (``start`` an int, or a per-row [B]
+        sequence), every token seeing slots 0 up to its own position. ``lengths`` [B]: row b
+        writes its first lengths[b] tokens only (the rest is padding). A prompt is written chunk by
+        chunk, in any number of calls, with the model's own kernels (no graph per prompt length)."""
         B, C = ids.shape
-        W = min(self.slots, start + C + 1)
-        pos = (start + torch.arange(C, device=ids.device)).expand(B, C).contiguous()
-        valid = torch.ones(B, C, dtype=torch.bool, device=ids.device)
+        starts = torch.as_tensor(start, dtype=torch.long, device=ids.device).expand(B)
+        pos = starts.unsqueeze(1) + torch.arange(C, device=ids.device)
+        if lengths is None:
+            valid = torch.ones(B, C, dtype=torch.bool, device=ids.device)
+        else:
+            valid = torch.arange(C, device=ids.device) < torch.as_tensor(lengths, device=ids.device).view(B, 1)
+        # padding writes to the view's last slot, past every position this call writes and every
+        # slot these rows hold (each row holds the positions before its start)
+        W = min(self.slots, int(starts.max()) + C + 1)
         prefill_logits(self._fill_step, ids, pos, valid, [t[:, :, :W] for t in kv], W, self.window)
 
     def _key_params(self, params: SamplingParams, extras: "RoundExtras | None") -> object:

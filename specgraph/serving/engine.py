@@ -48,6 +48,9 @@ from specgraph.verify import exponential_noise
 from specgraph.warping import SamplingParams, check_sampling_params
 
 PREFILL_CHUNK = 256  # prompt tokens written per scheduler pass (the decoding rows wait at most one chunk)
+# a prefill call of up to this many tokens (all rows, padding included) costs about what a call of
+# one token does: each call reads every weight once (~170 ms for SmolLM2 fp32 on 2 CPU cores)
+SHORT_PREFILL = 64
 PREFIX_CACHE_BYTES = 512 << 20  # the pool of reusable prompt blocks (:mod:`specgraph.serving.prefix`)
 PREFIX_BLOCK = 32  # prompt tokens per reusable block
 MAX_QUEUE = 256  # requests waiting for a row before submit() refuses
@@ -377,8 +380,9 @@ class ServingEngine:
     def _prefill(self) -> None:
         """Copy in every waiting row's prompt blocks that the prefix cache holds, then compute up
         to ``prefill_chunk`` prompt tokens, oldest waiting row first, keeping their whole blocks
-        (a row that waits behind another with the same prompt copies what that one computed)."""
-        budget = self.prefill_chunk
+        (a row that waits behind another with the same prompt copies what that one computed).
+        Neighbouring rows' chunks go through one call (:meth:`_prefill_runs`)."""
+        budget, plan = self.prefill_chunk, []
         for i, row in enumerate(self.rows):
             if row.decoding:
                 continue
@@ -387,17 +391,63 @@ class ServingEngine:
                 have = row.prefilled
                 row.prefilled = self.prefix.load(prompt[:-1], self.kv, i, have)
                 self.stats.prefix_tokens += row.prefilled - have
-            if budget > 0 and not row.decoding:
-                n = min(budget, len(prompt) - 1 - row.prefilled)
-                ids = torch.tensor([prompt[row.prefilled: row.prefilled + n]], device=self.device)
-                self.fast.prefill_chunk([t[i: i + 1] for t in self.kv], ids, row.prefilled)
-                row.prefilled += n
-                budget -= n
-                self.stats.prefill_tokens += n
-                if self.prefix is not None:
-                    self.prefix.store(prompt[: row.prefilled], self.kv, i)
             if row.decoding:
                 self._start_decoding(i)
+            elif budget > 0 and not self._computed_by(i, plan):
+                n = min(budget, len(prompt) - 1 - row.prefilled)
+                plan.append((i, n))
+                budget -= n
+        for run in self._prefill_runs(plan):
+            lo, hi = run[0][0], run[-1][0] + 1
+            C = max(n for _, n in run)
+            ids = torch.zeros(hi - lo, C, dtype=torch.long)
+            for i, n in run:
+                row = self.rows[i]
+                ids[i - lo, :n] = torch.tensor(row.handle.req.prompt[row.prefilled: row.prefilled + n])
+            self.fast.prefill_chunk([t[lo:hi] for t in self.kv], ids.to(self.device),
+                                    [self.rows[i].prefilled for i, _ in run], [n for _, n in run])
+            for i, n in run:
+                row = self.rows[i]
+                row.prefilled += n
+                self.stats.prefill_tokens += n
+                if self.prefix is not None:
+                    self.prefix.store(row.handle.req.prompt[: row.prefilled], self.kv, i)
+                if row.decoding:
+                    self._start_decoding(i)
+
+    def _computed_by(self, i: int, plan: list[tuple[int, int]]) -> bool:
+        """Whether a row already planned this pass computes a whole prompt block that row i needs
+        next (the same tokens from position 0): row i then waits a pass and copies it instead."""
+        if self.prefix is None:
+            return False
+        row, block = self.rows[i], self.prefix.block
+        need = (row.prefilled // block + 1) * block  # row i's next block boundary
+        mine = row.handle.req.prompt
+        if need > len(mine) - 1:
+            return False
+        for j, n in plan:
+            theirs = self.rows[j].handle.req.prompt
+            if self.rows[j].prefilled + n >= need and mine[:need] == theirs[:need]:
+                return True
+        return False
+
+    @staticmethod
+    def _prefill_runs(plan: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """Group the planned (row, tokens) into runs of adjacent rows (a run is one call on a view
+        of its rows' cache) whose padding to the run's longest chunk stays under a third of the
+        call, or whose call stays within SHORT_PREFILL tokens: short chunks (the tails after a
+        cached prefix) share a call, long ones go alone."""
+        runs: list[list[tuple[int, int]]] = []
+        for i, n in plan:
+            run = runs[-1] if runs else None
+            if run is not None and i == run[-1][0] + 1:
+                total = sum(m for _, m in run) + n
+                padded = (len(run) + 1) * max(n, max(m for _, m in run))
+                if padded <= SHORT_PREFILL or padded * 2 <= total * 3:
+                    run.append((i, n))
+                    continue
+            runs.append([(i, n)])
+        return runs
 
     def _start_decoding(self, i: int) -> None:
         prompt = self.rows[i].handle.req.prompt

@@ -107,3 +107,23 @@ def test_identical_prompts_arriving_together_are_computed_once():
     outs, _ = run_all(engine, [ServeRequest(p, 12), ServeRequest(p, 12)])
     assert outs == [want, want]
     assert engine.stats.prefill_tokens == 59 + 3 and engine.stats.prefix_tokens == 56
+
+
+def test_short_chunks_of_neighbouring_rows_share_one_call():
+    """Four prompts sharing 40 tokens arrive together: the first computes the shared blocks, the
+    others wait a pass, copy them and compute their own tails together in one call; every output
+    equals generate."""
+    model = tiny()
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(6, 120, (40,), generator=g).tolist()
+    ps = [shared + torch.randint(6, 120, (n,), generator=g).tolist() for n in (5, 3, 7, 4)]
+    want = [model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist() for p in ps]
+    fast = specgraph.compile(model, None, max_batch_size=4, max_seq_len=256, backend="eager")
+    calls = []
+    prefill = fast.prefill_chunk
+    fast.prefill_chunk = lambda kv, ids, *a: (calls.append(tuple(ids.shape)), prefill(kv, ids, *a))
+    engine = ServingEngine(fast, prefill_chunk=64, prefix_block=8)
+    outs, _ = run_all(engine, [ServeRequest(p, 10, eos=(EOS,)) for p in ps])
+    assert outs == want
+    assert calls == [(1, 44), (3, 6)]  # the tails: 2, 6 and 3 tokens, padded to 6
+    assert engine.stats.prefix_tokens == 3 * 40 and engine.stats.prefill_tokens == 44 + 2 + 6 + 3
