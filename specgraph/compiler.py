@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import math
 import threading
 import time
 import warnings
@@ -498,8 +497,10 @@ def attend_width(need: int, slots: int, min_attend: int | None = None, step: int
     serves them all, and a round reads ``need`` rounded up to the step) or, with ``step=None``,
     by powers of two (on CUDA each width is a CUDA graph of its own, so widths must be few)."""
     w = MIN_ATTEND if min_attend is None else min_attend
-    if need > w:
-        w = -(-need // step) * step if step else w * 2 ** math.ceil(math.log2(need / w))
+    if step and need > w:
+        w = -(-need // step) * step
+    while w < need:
+        w *= 2
     return w if w < slots else slots
 
 

@@ -39,7 +39,6 @@ class PrefixCache:
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # least recent first
         self.children: dict[int, set[int]] = collections.defaultdict(set)
         self.free = list(range(capacity - 1, -1, -1))
-        self.hits = self.lookups = self.reused_tokens = 0
 
     @staticmethod
     def bytes_per_block(kv: list[torch.Tensor], block: int) -> int:
@@ -64,7 +63,6 @@ class PrefixCache:
         """Copy the longest cached prefix of ``tokens`` into row ``row`` of ``kv`` (slot = position),
         skipping the whole blocks below ``have`` (the tokens the row already holds); returns the
         tokens the row holds now: max(have, the prefix's length, a multiple of ``block``)."""
-        self.lookups += 1
         ids = self._chain(tokens)
         n = len(ids) * self.block
         if n <= have:
@@ -76,8 +74,6 @@ class PrefixCache:
         for t, p in zip(kv, self.pool):
             blocks = p.index_select(0, sel)  # [n_blocks, H, block, D]
             t[row, :, lo:n] = blocks.transpose(0, 1).reshape(t.shape[1], n - lo, t.shape[3])
-        self.hits += 1
-        self.reused_tokens += n - have
         return n
 
     def store(self, tokens: list[int], kv: list[torch.Tensor], row: int) -> int:
