@@ -68,6 +68,7 @@ def gqa_fold_pass(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
             continue
         (kb, rep), (vb, _) = src_k, src_v
         B, H, Q, D = q_shape
+        B = B if isinstance(B, int) else -1  # a dynamic batch: the reshape infers it
         hkv = H // rep
         with g.inserting_before(node):
             q2 = g.call_function(aten.reshape.default, (q, [B, hkv, rep * Q, D]))

@@ -163,9 +163,13 @@ def layer_windows(model) -> tuple[list[str], int] | None:
 
 
 @torch.no_grad()
-def capture_step(model, batch: int, q_len: int, slots: int) -> torch.fx.GraphModule:
-    """Export one step for static shapes (B, Q, S) and return it as a flat-argument GraphModule."""
+def capture_step(model, batch: int, q_len: int, slots: int, max_batch: int | None = None) -> torch.fx.GraphModule:
+    """Export one step for static shapes (B, Q, S) and return it as a flat-argument GraphModule.
+    ``max_batch``: the batch is a dynamic dimension instead, 2 .. ``max_batch`` (traced at
+    ``batch``, which must lie in that range): the graph reads its batch from its inputs' shapes."""
     check_supported(model)
+    if max_batch is not None and not 2 <= batch <= max_batch:
+        raise ValueError(f"a dynamic-batch step is traced at a batch in 2..{max_batch}, got {batch}")
     p = next(model.parameters())
     args = (
         torch.zeros(batch, q_len, dtype=torch.long, device=p.device),
@@ -174,8 +178,13 @@ def capture_step(model, batch: int, q_len: int, slots: int) -> torch.fx.GraphMod
         torch.arange(q_len, device=p.device).expand(batch, q_len).contiguous(),
         *new_kv_cache(model, batch, slots),
     )
+    dynamic = None
+    if max_batch is not None:
+        b = torch.export.Dim("batch", min=2, max=max_batch)
+        dynamic = {"input_ids": {0: b}, "position_ids": {0: b}, "mask": {0: b}, "slots": {0: b},
+                   "kv": tuple({0: b} for _ in args[4:])}
     try:
-        ep = torch.export.export(Step(model), args, strict=False)
+        ep = torch.export.export(Step(model), args, dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # noqa: BLE001 - any capture failure means: not rewritable
         raise UnsupportedModel(f"torch.export failed for {type(model).__name__}: {type(e).__name__}: {e}") from e
     gm = ep.module()

@@ -848,14 +848,16 @@ class SpecGraphModel:
     # ------------------------------------------------------------------------------------------
     # graphs
 
-    def _step(self, B: int, Q: int, which: str = "target"):
+    def _step(self, B: int, Q: int, which: str = "target", max_batch: int | None = None):
         """The captured, pass-rewritten step at batch B and query length Q. Its attention reads as
         many cache slots as its mask has columns (``attend_mask_width_pass``): one step per shape
-        serves every attended width."""
+        serves every attended width. ``max_batch``: traced at B with a dynamic batch, 2 .. max_batch."""
         key = (B, Q) if which == "target" else (which, B, Q)
+        if max_batch is not None:
+            key = (*key, "batch<=", max_batch)
         if key not in self._steps:
             model = self.model if which == "target" else self.draft_model
-            gm, counts = run_step_pipeline(capture_step(model, B, Q, self.slots), layer_windows(model))
+            gm, counts = run_step_pipeline(capture_step(model, B, Q, self.slots, max_batch), layer_windows(model))
             self.pass_counts[key] = counts
             self._steps[key] = gm
         return self._steps[key]
@@ -1053,12 +1055,14 @@ class SpecGraphModel:
     def _build_round(self, B: int, params: SamplingParams, k: int, extras=None):
         return self._compiled("round", self.round_function(B, self._graph_params(params), k, extras))
 
-    def round_function(self, B: int, params: SamplingParams, k: int, extras: "RoundExtras | None" = None):
+    def round_function(self, B: int, params: SamplingParams, k: int, extras: "RoundExtras | None" = None,
+                       max_batch: int | None = None):
         """The uncompiled chain round of :meth:`_round_fn`, taking the attended slots [W] (or an int
-        width: a graph for that width only) first."""
+        width: a graph for that width only) first. ``max_batch``: its step has a dynamic batch
+        (2 .. max_batch, traced at B): for ``torch.export`` with a batch dimension."""
         S, window = self.slots, self.window
         use_q = self.draft_q and not params.greedy and k > 0
-        step = self._step(B, k + 1)
+        step = self._step(B, k + 1, max_batch=max_batch)
         hid = self.learned is not None
         spec = None if extras is None else extras.logits
         want_scores = extras is not None and extras.scores
@@ -1112,12 +1116,12 @@ class SpecGraphModel:
         return self._compiled("tree_round", self.tree_round_function(B, self._graph_params(params), shape, extras))
 
     def tree_round_function(self, B: int, params: SamplingParams, shape: tuple[int, int, int],
-                            extras: "RoundExtras | None" = None):
+                            extras: "RoundExtras | None" = None, max_batch: int | None = None):
         """The uncompiled tree round of :meth:`_tree_round_fn`, taking the attended slots [W] (or
-        an int width) first."""
+        an int width) first. ``max_batch``: as :meth:`round_function`."""
         S, window = self.slots, self.window
         N, C, D = shape
-        step = self._step(B, N)
+        step = self._step(B, N, max_batch=max_batch)
         hid = self.learned is not None
         spec = None if extras is None else extras.logits
         want_scores = extras is not None and extras.scores
@@ -1224,11 +1228,18 @@ class SpecGraphModel:
         return [[i for i in range(spec.num_nodes) if depth[i] == d and has_kids[i]] for d in range(spec.max_depth)]
 
     def _cache(self, B: int, which: str = "target"):
+        """The KV cache of batch bucket B. On the CPU every bucket is a view of the first B rows of
+        the largest bucket's cache (one allocation: the loop prefills a row before it reads it);
+        on CUDA each bucket has its own tensors, at addresses fixed for its recorded graphs."""
         key = (which, B)
         if key not in self._kv:
             model = self.model if which == "target" else self.draft_model
-            self._kv[key] = new_kv_cache(model, B, self.slots)
-            if self._kv[key][0].is_cuda and self.backend == "inductor":
+            on_cuda = next(model.parameters()).is_cuda
+            if on_cuda or B >= self.max_batch_size:
+                self._kv[key] = new_kv_cache(model, B, self.slots)
+            else:
+                self._kv[key] = [t[:B] for t in self._cache(self.max_batch_size, which)]
+            if on_cuda and self.backend == "inductor":
                 for t in self._kv[key]:  # fixed addresses: mutated inside recorded CUDA graphs
                     torch._dynamo.mark_static_address(t)
         return self._kv[key]

@@ -34,6 +34,7 @@ the CPU are packaged; other objects build their graphs with the JIT (:meth:`Spec
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -46,11 +47,12 @@ from pathlib import Path
 
 import torch
 
+from specgraph.capture import UnsupportedModel
 from specgraph.artifacts import (
     ArtifactError, canonical_config, cpu_capability, cpu_model, file_entry, verify_files, versions, weights_sha256,
 )
 from specgraph.freezing import weight_bytes
-from specgraph.graphset import MODES, Progress, with_logits
+from specgraph.graphset import MODES, Progress, with_dynamic_batch, with_logits
 from specgraph.models import cache_dir
 from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key
 from specgraph.warping import SamplingParams
@@ -177,6 +179,7 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     plan = fast.graph_plan(modes)
     if logits is not None:
         plan = with_logits(plan, logits)
+    plan = _batch_plan(fast, folder, digest, plan)
     packages, missing = {}, []
     for g in plan:
         frozen = fast.reserve_frozen_copy(g.name)
@@ -184,7 +187,7 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
         if pkg is None:
             missing.append((g, frozen))
         else:
-            packages[_package_key(g)] = pkg
+            _register(fast, packages, g, pkg)
     if missing and not _room_for(fast, folder, sum(f for _, f in missing)):
         return None
     if missing:
@@ -194,13 +197,35 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
         served.packages.update(packages)
     else:
         fast.use_graphs(CachedGraphs(packages, fast.default_sampling()))
-    return {"path": str(folder), "hit": not missing, "built": len(missing), "loaded": len(packages),
+    loaded = len({id(p) for p in packages.values()})  # a dynamic-batch package serves several buckets
+    return {"path": str(folder), "hit": not missing, "built": len(missing), "loaded": loaded,
             "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan),
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _package_key(g) -> tuple:
-    return package_key(g.kind, g.batch, g.tree if g.kind == "tree" else g.depth, g.mode, g.logits)
+def _register(fast, packages: dict, g, pkg: Package) -> None:
+    """``pkg`` (graph ``g``) as the package of every batch bucket it serves."""
+    for b in g.served_batches(fast.max_batch_size):
+        packages[package_key(g.kind, b, g.tree if g.kind == "tree" else g.depth, g.mode, g.logits)] = pkg
+
+
+def _batch_plan(fast, folder: Path, digest: str, plan: list) -> list:
+    """``plan`` with the rounds of batches 2 and up as dynamic-batch graphs
+    (:func:`specgraph.graphset.with_dynamic_batch`), except those this folder records as failing
+    to export with a dynamic batch (a model whose code fixes its batch): those keep a graph per
+    bucket."""
+    out = []
+    for g in with_dynamic_batch(plan, fast.max_batch_size):
+        if g.batches is None or not (folder / f"{g.name}.static").exists():
+            out.append(g)
+            continue
+        out += _per_bucket(fast, g)
+    return out
+
+
+def _per_bucket(fast, g) -> list:
+    """Dynamic-batch graph ``g`` as one static graph per batch bucket it serves."""
+    return [dataclasses.replace(g, batch=b, batches=None) for b in g.served_batches(fast.max_batch_size)]
 
 
 def _stem(g, frozen: bool) -> str:
@@ -249,30 +274,52 @@ def _room_for(fast, folder: Path, n_frozen: int) -> bool:
 
 
 def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progress: bool) -> None:
-    """Package each (graph, frozen) of ``missing`` into ``folder`` and open it into ``packages``."""
+    """Package each (graph, frozen) of ``missing`` into ``folder`` and open it into ``packages``.
+    A dynamic-batch graph that fails to export is recorded as such (``<graph>.static``) and
+    replaced by a graph per batch bucket, with a warning."""
     device = next(fast.model.parameters()).device
     vocab = fast.vocab
-    bar = Progress(len(missing), progress, verb="building")
+    todo = list(missing)
+    bar = Progress(len(todo), progress, verb="building")
     try:
         with torch.no_grad():
-            for g, frozen in missing:
+            while todo:
+                g, frozen = todo.pop(0)
                 bar.start(g.name)
                 t1 = time.perf_counter()
-                with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as stage:
-                    (Path(stage) / PT2_SUBDIR).mkdir()
-                    spec, _ = package_graph(fast, g, Path(stage), device, vocab, _filters(fast), freeze=frozen,
-                                            autotune=fast.autotune)
-                    stem = _stem(g, frozen)
-                    built = Path(stage) / spec["file"]
-                    spec["file"] = f"{stem}.pt2"
-                    rec = {"format": FORMAT, "key": digest, "spec": spec, "file": file_entry(built),
-                           "seconds": round(time.perf_counter() - t1, 2)}
-                    built.replace(folder / spec["file"])
-                _write_atomic(folder / f"{stem}.json", json.dumps(rec, indent=1) + "\n")
-                packages[_package_key(g)] = Package(folder / spec["file"], model_tensors(fast.model), spec)
-                bar.advance(g.name, rec["seconds"])
+                try:
+                    pkg = _package(fast, folder, digest, g, frozen, device, vocab)
+                except (torch._dynamo.exc.UserError, UnsupportedModel) as e:  # the model's code fixes its batch
+                    if g.batches is None:
+                        raise
+                    _write_atomic(folder / f"{g.name}.static", f"{type(e).__name__}: {e}\n")
+                    warnings.warn(f"specgraph: {g.name} does not export with a dynamic batch ({type(e).__name__}); "
+                                  "building a graph per batch bucket instead", stacklevel=4)
+                    static = _per_bucket(fast, g)
+                    todo += [(s, fast.reserve_frozen_copy(s.name)) for s in static]
+                    bar.grow(len(static))
+                    continue
+                _register(fast, packages, g, pkg)
+                bar.advance(g.name, time.perf_counter() - t1)
     finally:
         bar.close()
+
+
+def _package(fast, folder: Path, digest: str, g, frozen: bool, device, vocab) -> Package:
+    """Build graph ``g`` into ``folder`` (written atomically, with its record) and open it."""
+    t1 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as stage:
+        (Path(stage) / PT2_SUBDIR).mkdir()
+        spec, _ = package_graph(fast, g, Path(stage), device, vocab, _filters(fast), freeze=frozen,
+                                autotune=fast.autotune)
+        stem = _stem(g, frozen)
+        built = Path(stage) / spec["file"]
+        spec["file"] = f"{stem}.pt2"
+        rec = {"format": FORMAT, "key": digest, "spec": spec, "file": file_entry(built),
+               "seconds": round(time.perf_counter() - t1, 2)}
+        built.replace(folder / spec["file"])
+    _write_atomic(folder / f"{stem}.json", json.dumps(rec, indent=1) + "\n")
+    return Package(folder / spec["file"], model_tensors(fast.model), spec)
 
 
 def entries(root=None) -> list[dict]:

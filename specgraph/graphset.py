@@ -32,7 +32,9 @@ class GraphSpec:
     "draft_tree" (draft-model tree level ``depth``), "compact" (draft-cache compaction after a
     tree round), "prefill" (a chunk of ``depth`` prompt tokens) or "learned" (a head drafter's
     graphs, built by a short generation). ``width``: the attended cache slots for a graph built
-    per width, None for the engine's dynamic-width graphs."""
+    per width, None for the engine's dynamic-width graphs. ``batches``: (lo, hi) for a graph
+    whose batch is a dynamic dimension, serving every batch bucket from lo to hi (traced at
+    ``batch``); None: the graph serves batch ``batch`` only."""
 
     kind: str
     batch: int
@@ -41,6 +43,7 @@ class GraphSpec:
     depth: int
     tree: tuple | None = None
     logits: object = None  # a round's logits processors (specgraph.processors.LogitsSpec), None: none
+    batches: tuple | None = None  # (lo, hi): a dynamic batch serving buckets lo .. hi
 
     @property
     def name(self) -> str:
@@ -53,11 +56,19 @@ class GraphSpec:
             return f"{self.kind}_b{self.batch}" + ("" if self.kind == "compact" else f"_{self.mode}")
         width = "" if self.width is None else f"_w{self.width}"
         procs = "" if self.logits is None else "_lp" + hashlib.sha256(repr(self.logits).encode()).hexdigest()[:10]
-        return f"{self.kind}_b{self.batch}_{shape}{width}_{self.mode}{procs}"
+        batch = self.batch if self.batches is None else "{}-{}".format(*self.batches)
+        return f"{self.kind}_b{batch}_{shape}{width}_{self.mode}{procs}"
 
     def key(self) -> tuple:
         return (self.kind, self.batch, self.width, self.tree if self.kind == "tree" else self.depth, self.mode,
-                self.logits)
+                self.logits, self.batches)
+
+    def served_batches(self, max_batch: int) -> list[int]:
+        """The batch buckets this graph serves."""
+        if self.batches is None:
+            return [self.batch]
+        lo, hi = self.batches
+        return [b for b in batch_buckets(max_batch) if lo <= b <= hi]
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -86,6 +97,33 @@ def plan(fast, modes=MODES) -> list[GraphSpec]:
         if fast.draft == "model" and fast.tree is not None:
             out += [GraphSpec("draft_tree", B, None, "greedy", d) for d in range(fast.tree.max_depth)]
             out.append(GraphSpec("compact", B, None, "greedy", 0))
+    return out
+
+
+def with_dynamic_batch(plan: list[GraphSpec], max_batch: int) -> list[GraphSpec]:
+    """``plan`` with the rounds (chain and tree) of batch buckets 2 .. ``max_batch`` merged into
+    one graph per (kind, mode, depth or tree, processors) whose batch is a dynamic dimension.
+
+    Why: a frozen graph carries its own copy of the weights and takes minutes to build, so per
+    (mode, depth) six static buckets (max_batch_size 32) cost six builds and six weight copies.
+    Batch 1 stays a static graph of its own: the dynamic graph's GEMM kernels are autotuned at
+    the batch it is traced at, and at batch 1 they ran ~1.7x slower than a batch-1 graph, while
+    traced at the largest bucket below ``max_batch`` they matched the static graphs at that
+    bucket and at ``max_batch`` (docs/architecture.md, "Batch buckets"). Plans with fewer than
+    two buckets above 1 are returned as they are."""
+    buckets = [b for b in batch_buckets(max_batch) if b >= 2]
+    if len(buckets) < 2:
+        return list(plan)
+    trace = buckets[-2]
+    out, merged = [], set()
+    for g in plan:
+        if g.kind not in ("round", "tree") or g.batch < 2 or g.batches is not None:
+            out.append(g)
+            continue
+        dyn = dataclasses.replace(g, batch=trace, batches=(buckets[0], buckets[-1]))
+        if dyn.key() not in merged:
+            merged.add(dyn.key())
+            out.append(dyn)
     return out
 
 
@@ -165,6 +203,12 @@ class Progress:
             self._bar.update(self._task, description=f"{self.verb} {name}")
         elif self.enabled:
             print(f"specgraph: {self.verb} [{self.done + 1}/{self.total}] {name} ...", file=sys.stderr, flush=True)
+
+    def grow(self, n: int) -> None:
+        """``n`` more graphs to do."""
+        self.total += n
+        if self._bar is not None:
+            self._bar.update(self._task, total=self.total)
 
     def advance(self, name: str, seconds: float) -> None:
         self.done += 1

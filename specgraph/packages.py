@@ -74,20 +74,25 @@ def module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
         return _PrefillChunk(fast._step(g.batch, g.depth), fast.slots, fast.window)
     params = SamplingParams(0.0) if g.mode == "greedy" else SamplingParams(1.0, *filters)
     extras = None if g.logits is None else RoundExtras(g.logits)
+    top = None if g.batches is None else g.batches[1]  # a dynamic batch: the step is captured with one
     # the engine's round: its first input is the attended slots [W], W a dynamic dimension
     if g.kind == "tree":
-        return _Graph(fast.tree_round_function(g.batch, params, g.tree, extras), fast._step(g.batch, g.tree[0]))
-    return _Graph(fast.round_function(g.batch, params, g.depth, extras), fast._step(g.batch, g.depth + 1))
+        return _Graph(fast.tree_round_function(g.batch, params, g.tree, extras, max_batch=top),
+                      fast._step(g.batch, g.tree[0], max_batch=top))
+    return _Graph(fast.round_function(g.batch, params, g.depth, extras, max_batch=top),
+                  fast._step(g.batch, g.depth + 1, max_batch=top))
 
 
 def export_graph(fast: SpecGraphModel, g: GraphSpec, module, args: list, kv: list):
     """``torch.export`` of graph ``g``: a round's attended slots (its first input) have a dynamic
-    length W in :func:`width_range`; every other dimension is static."""
+    length W in :func:`width_range`; with ``g.batches`` every other input's first dimension is a
+    dynamic batch in that range; every other dimension is static."""
     if g.kind == "prefill":
         return torch.export.export(module, (*args, *kv), strict=False)
     lo, hi = width_range(fast)
     width = torch.export.Dim("width", min=lo, max=hi)
-    shapes = ({0: width},) + (None,) * (len(args) - 1 + len(kv))
+    batch = None if g.batches is None else {0: torch.export.Dim("batch", min=g.batches[0], max=g.batches[1])}
+    shapes = ({0: width},) + (batch,) * (len(args) - 1 + len(kv))
     return torch.export.export(module, (*args, *kv), dynamic_shapes={"args": shapes}, strict=False)
 
 
@@ -111,7 +116,7 @@ def package_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors
     the package binds at load time: none when ``freeze``, its weights are inside it)."""
     tensors = model_tensors(fast.model) if tensors is None else tensors
     args, names = example_inputs(fast, g, vocab)
-    shapes = [list(a.shape) for a in args]
+    shapes = [list(a.shape) if g.batches is None else ["batch", *a.shape[1:]] for a in args]
     if g.kind != "prefill":  # the attended slots come first; traced at the engine's smallest width
         args = [torch.arange(min(fast.min_attend, fast.slots - 1), device=device), *args]
         names, shapes = ["cols", *names], [["width"], *shapes]
@@ -132,6 +137,7 @@ def package_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors
     return ({
         "name": g.name, "file": rel, "kind": g.kind, "batch": g.batch, "width": g.width, "mode": g.mode,
         "depth": g.depth, "tree": list(g.tree) if g.tree else None,
+        "batches": list(g.batches) if g.batches else None,
         "inputs": [{"name": n, "shape": shape, "dtype": str(a.dtype).replace("torch.", "")}
                    for n, shape, a in zip(names, shapes, args)],
         "num_constants": len(fqns), "frozen": freeze,

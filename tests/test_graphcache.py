@@ -9,7 +9,11 @@
 - a changed weight that the embedding-only fingerprint does not see, or a changed setting, is
   another key; served by its own graphs, output equals the changed model's ``model.generate``
   (negative control: serving the changed model from the first key's packages would not);
-- a corrupt package is detected by its sha256, warned about and rebuilt alone.
+- a corrupt package is detected by its sha256, warned about and rebuilt alone;
+- batch buckets 2 and up share one package per depth whose batch is a dynamic dimension: batches
+  of 2 to 8 rows equal ``model.generate`` row by row (negative control: the package bound to
+  swapped cache rows does not), and a model that does not export with a dynamic batch gets a
+  package per bucket, recorded so that the next compile does not try again.
 """
 from __future__ import annotations
 
@@ -205,3 +209,81 @@ def test_cache_switch_and_root(monkeypatch, tmp_path):
     monkeypatch.setenv(graphcache.ENV_ROOT, str(tmp_path))
     assert graphcache.enabled(None) and graphcache.cache_root(graphcache.root_of(None)) == tmp_path
     assert graphcache.cache_root(graphcache.root_of(tmp_path / "x")) == tmp_path / "x"
+
+
+def batch_of(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths, left-padded: (input_ids, attention_mask) [B, T]."""
+    T = max(r.shape[1] for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, T - r.shape[1]:], mask[i, T - r.shape[1]:] = r[0], 1
+    return ids, mask
+
+
+def assert_rows_equal(model, fast, B: int, seed: int = 3) -> None:
+    g = torch.Generator().manual_seed(seed + B)
+    rows = [prompts()[i % 3][:, int(torch.randint(0, 3, (1,), generator=g)):] for i in range(B)]
+    ids, mask = batch_of(rows)
+    out = fast.generate(ids, attention_mask=mask, max_new_tokens=20)
+    for i, r in enumerate(rows):
+        ref = hf(model, r, 20)[0, r.shape[1]:]
+        assert torch.equal(out[i, ids.shape[1]:ids.shape[1] + len(ref)], ref), (B, i)
+
+
+def test_batches_above_one_share_a_dynamic_batch_package(model, tmp_path):
+    unique = counters["stats"]["unique_graphs"]
+    settings = {**SETTINGS, "max_batch_size": 8, "modes": ("greedy",)}
+    fast = specgraph.compile(model, "ngram", cache=tmp_path, **settings)
+    info = fast.graph_cache
+    assert info["built"] == info["loaded"] == 4  # batch 1 and batches 2-8, at depths 0 and 2
+    names = sorted(p.name for p in Path(info["path"]).glob("*.pt2"))
+    assert names == [f"round_b{b}_k{k}_greedy.frozen.pt2" for b in ("1", "2-8") for k in (0, 2)]
+    served = fast.graphs_in_use().packages
+    assert served[package_key("round", 2, 2, "greedy")] is served[package_key("round", 8, 2, "greedy")]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="specgraph")  # nothing is built inside generate
+        for B in (1, 2, 3, 6, 8):
+            assert_rows_equal(model, fast, B)
+    assert counters["stats"]["unique_graphs"] == unique and fast.graphs_built == {}
+
+    # negative control: the same package run on a cache whose rows 0 and 1 were swapped after prefill
+    pkg = served[package_key("round", 4, 0, "greedy")]
+    swapped = {key: (_swapping(p) if p is pkg else p) for key, p in served.items()}
+    control = specgraph.compile(model, None, cache=False, backend="eager", **{**settings, "warmup": False})
+    control.use_graphs(graphcache.CachedGraphs(swapped, control.default_sampling()))
+    with pytest.raises(AssertionError):
+        assert_rows_equal(model, control, 3)
+
+
+def _swapping(pkg):
+    def run(*args):  # cols, root, L, active, accept_u, expo, drafts, draft_probs, *kv
+        kv = args[8:]
+        for t in kv:
+            t[[0, 1]] = t[[1, 0]]
+        return pkg(*args)
+    return run
+
+
+def test_a_model_that_fixes_its_batch_gets_a_package_per_bucket(model, tmp_path, monkeypatch):
+    from specgraph import compiler
+    from specgraph.capture import UnsupportedModel, capture_step
+
+    def static_only(m, batch, q_len, slots, max_batch=None):
+        if max_batch is not None:
+            raise UnsupportedModel("the batch is fixed")
+        return capture_step(m, batch, q_len, slots)
+
+    monkeypatch.setattr(compiler, "capture_step", static_only)
+    settings = {**SETTINGS, "max_batch_size": 4, "modes": ("greedy",)}
+    with pytest.warns(UserWarning, match="round_b2-4_k0_greedy does not export with a dynamic batch"):
+        fast = specgraph.compile(model, None, cache=tmp_path, **settings)
+    folder = Path(fast.graph_cache["path"])
+    assert sorted(p.name for p in folder.glob("*.pt2")) == [f"round_b{b}_k0_greedy.frozen.pt2" for b in (1, 2, 4)]
+    assert (folder / "round_b2-4_k0_greedy.static").exists()
+    for B in (2, 3, 4):
+        assert_rows_equal(model, fast, B)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="specgraph")  # the record is read: no second attempt
+        again = specgraph.compile(model, None, cache=tmp_path, **settings)
+    assert again.graph_cache["hit"] is True and again.graph_cache["loaded"] == 3
