@@ -15,7 +15,8 @@ is checked complete (``--max-tokens`` tokens by the server's usage count), and f
 ``--servers`` lists the server processes, run one after another: specgraph with ``--speculation``
 auto, off or a fixed depth (on the same graphs: processes after the first load them from the
 graph cache, so their start-up is the second-process figure), and vLLM plain and ngram. A
-repeated entry shows how much the machine drifted between them. The table goes to stdout, the JSON to ``--out``.
+repeated entry shows how much the machine drifted between them. ``--graph-cache NEW_DIR`` makes the
+first specgraph server a first start (it builds every graph) and the later ones second starts. The table goes to stdout, the JSON to ``--out``.
 """
 from __future__ import annotations
 
@@ -191,8 +192,9 @@ async def one_request_client(url, model):
         await client.close()
 
 
-def bench_server(name: str, cmd: list[str], levels, max_tokens: int, log: str, port: int, startup_timeout: float):
-    server = Server(name, cmd, port, log)
+def bench_server(name: str, cmd: list[str], levels, max_tokens: int, log: str, port: int, startup_timeout: float,
+                 env=None):
+    server = Server(name, cmd, port, log, env)
     try:
         server.ready(startup_timeout)
         startup = first_token_seconds(server.url, MODEL_NAME, server.t0)
@@ -224,6 +226,9 @@ def main(argv=None) -> int:
                          "--speculation`: auto, off or a depth) and vllm:plain / vllm:ngram")
     ap.add_argument("--vllm-python", default=None, help="the vllm venv's python (benchmarks/vllm_setup.sh)")
     ap.add_argument("--startup-timeout", type=float, default=3600)
+    ap.add_argument("--graph-cache", default=None,
+                    help="specgraph's graph cache folder (SPECGRAPH_GRAPH_CACHE; default: the user's). A new "
+                         "empty folder makes the first specgraph server's start-up a first start")
     ap.add_argument("--logs", default="/tmp/serve_bench_logs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -236,6 +241,9 @@ def main(argv=None) -> int:
     for i, entry in enumerate(x for x in args.servers.split(",") if x):
         kind, _, setting = entry.partition(":")
         port = free_port()
+        env = None
+        if kind == "specgraph" and args.graph_cache:
+            env = {**os.environ, "SPECGRAPH_GRAPH_CACHE": os.path.abspath(args.graph_cache)}
         if kind == "specgraph":
             cmd = [sys.executable, "-m", "specgraph.cli", "serve", "default", "--port", str(port), "--quiet",
                    "--served-model-name", MODEL_NAME, "--speculation", setting, *args.specgraph_args.split()]
@@ -254,7 +262,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"bad --servers entry {entry!r} (vllm entries need --vllm-python)")
         try:
             runs.append(bench_server(name, cmd, levels, args.max_tokens, f"{args.logs}/{i + 1}-{kind}-{setting}.log",
-                                     port, args.startup_timeout))
+                                     port, args.startup_timeout, env))
         except RuntimeError as e:  # a server that did not start: recorded, the others still run
             print(f"{name}: {e}", file=sys.stderr, flush=True)
             runs.append({"server": name, "error": str(e), "levels": []})
@@ -274,7 +282,7 @@ def main(argv=None) -> int:
         print(f"{run['server']:<18} start-up to first token {run.get('startup_to_first_token_s')} s; "
               f"HF mismatches {run['hf_mismatches']}{'; ' + run['error'] if 'error' in run else ''}")
     result = {"benchmark": "serve_bench", "commit": git_commit(), "cpu": cpu_model(), "max_tokens": args.max_tokens,
-              "levels": levels, "specgraph_args": args.specgraph_args, "runs": runs,
+              "levels": levels, "specgraph_args": args.specgraph_args, "graph_cache": args.graph_cache, "runs": runs,
               "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "MALLOC_MMAP_THRESHOLD_")}}
     if args.out:
         with open(args.out, "w") as f:

@@ -160,14 +160,17 @@ class CachedGraphs(dict):
         return True
 
 
-def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=None) -> dict | None:
+def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=None,
+                  dynamic_batch: bool = True) -> dict | None:
     """Serve ``fast``'s graph set (:meth:`SpecGraphModel.graph_plan`) from the cache, building the
     graphs it lacks (or holds corrupt) first. Returns what happened ({"path", "hit", "built",
     "loaded", "frozen", "seconds"}), or None when the object cannot be cached or the disk has no
     room (a warning says so). :meth:`SpecGraphModel.warmup` afterwards runs every graph once and
     builds with the JIT whatever the cache does not serve. ``logits`` (a
     :class:`specgraph.processors.LogitsSpec`): the plan's rounds with these logits processors
-    instead, added to the packages the object is already served from."""
+    instead, added to the packages the object is already served from. ``dynamic_batch``: batch
+    buckets 2 and up share a package per round (:func:`specgraph.graphset.with_dynamic_batch`);
+    False: a package per bucket."""
     if unsupported(fast) is not None:
         return None
     t0 = time.perf_counter()
@@ -179,7 +182,8 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     plan = fast.graph_plan(modes)
     if logits is not None:
         plan = with_logits(plan, logits)
-    plan = _batch_plan(fast, folder, digest, plan)
+    if dynamic_batch:
+        plan = _batch_plan(fast, folder, digest, plan)
     packages, missing = {}, []
     for g in plan:
         frozen = fast.reserve_frozen_copy(g.name)
