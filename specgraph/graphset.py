@@ -100,27 +100,33 @@ def plan(fast, modes=MODES) -> list[GraphSpec]:
     return out
 
 
+DYNAMIC_MIN_ROWS = 4  # a bucket whose round feeds fewer GEMM rows (batch x fed tokens) keeps a static graph
+
+
 def with_dynamic_batch(plan: list[GraphSpec], max_batch: int) -> list[GraphSpec]:
-    """``plan`` with the rounds (chain and tree) of batch buckets 2 .. ``max_batch`` merged into
-    one graph per (kind, mode, depth or tree, processors) whose batch is a dynamic dimension.
+    """``plan`` with the rounds (chain and tree) of the larger batch buckets merged into one graph
+    per (kind, mode, depth or tree, processors) whose batch is a dynamic dimension.
 
     Why: a frozen graph carries its own copy of the weights and takes minutes to build, so per
     (mode, depth) six static buckets (max_batch_size 32) cost six builds and six weight copies.
-    Batch 1 stays a static graph of its own: the dynamic graph's GEMM kernels are autotuned at
-    the batch it is traced at, and at batch 1 they ran ~1.7x slower than a batch-1 graph, while
-    traced at the largest bucket below ``max_batch`` they matched the static graphs at that
-    bucket and at ``max_batch`` (docs/architecture.md, "Batch buckets"). Plans with fewer than
-    two buckets above 1 are returned as they are."""
-    buckets = [b for b in batch_buckets(max_batch) if b >= 2]
-    if len(buckets) < 2:
-        return list(plan)
-    trace = buckets[-2]
+    The dynamic graph's GEMM kernels are autotuned at the batch it is traced at (the largest
+    bucket below the top of its range), and below about 4 GEMM rows they cost a floor that a
+    static graph does not (a plain step at batch 2 ran ~1.5x slower, at batch 8 and up as fast:
+    docs/architecture.md, "Batch buckets"). So batch 1, and every bucket whose round feeds fewer
+    than DYNAMIC_MIN_ROWS rows in all (batch x tokens per row), keep a static graph each; the
+    buckets above share one. Groups with fewer than two buckets to share stay as they are."""
+    buckets = batch_buckets(max_batch)
     out, merged = [], set()
     for g in plan:
-        if g.kind not in ("round", "tree") or g.batch < 2 or g.batches is not None:
+        if g.kind not in ("round", "tree") or g.batches is not None:
             out.append(g)
             continue
-        dyn = dataclasses.replace(g, batch=trace, batches=(buckets[0], buckets[-1]))
+        fed = g.tree[0] if g.kind == "tree" else g.depth + 1
+        share = [b for b in buckets if b >= 2 and b * fed >= DYNAMIC_MIN_ROWS]
+        if g.batch not in share or len(share) < 2:
+            out.append(g)
+            continue
+        dyn = dataclasses.replace(g, batch=share[-2], batches=(share[0], share[-1]))
         if dyn.key() not in merged:
             merged.add(dyn.key())
             out.append(dyn)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -197,3 +198,20 @@ def test_the_pipeline_ends_with_the_mask_width_pass():
     model = tiny_llama()
     _, counts = run_step_pipeline(capture_step(model, 1, 2, 24))
     assert counts["attend_mask_width_pass"] == model.config.num_hidden_layers
+
+
+def test_dynamic_batch_plan_keeps_small_rounds_static():
+    """The graph cache's layout: batch 1 and buckets feeding fewer than DYNAMIC_MIN_ROWS GEMM rows
+    keep their own graph; the larger buckets of each (mode, depth) share one dynamic-batch graph,
+    traced at the largest bucket below the top of its range."""
+    from specgraph.graphset import GraphSpec, with_dynamic_batch
+
+    plan = [GraphSpec("round", b, None, m, k) for b in (1, 2, 4, 8, 16, 32) for m in ("greedy", "sample") for k in (0, 4)]
+    out = with_dynamic_batch(plan, 32)
+    assert sorted(g.name for g in out) == sorted(
+        f"round_{s}_{m}" for s in ("b1_k0", "b2_k0", "b4-32_k0", "b1_k4", "b2-32_k4") for m in ("greedy", "sample"))
+    dyn = next(g for g in out if g.name == "round_b4-32_k0_greedy")
+    assert dyn.batch == 16 and dyn.served_batches(32) == [4, 8, 16, 32]
+    tree = GraphSpec("tree", 2, None, "greedy", 3, (8, 2, 3))
+    assert [g.name for g in with_dynamic_batch([tree, dataclasses.replace(tree, batch=4)], 4)] == ["tree_b2-4_n8_c2_d3_greedy"]
+    assert with_dynamic_batch(plan[:4], 2) == plan[:4]  # buckets 1 and 2: nothing to share
