@@ -225,6 +225,9 @@ def main(argv=None) -> int:
                     help="server processes, run one after another: specgraph:SPECULATION (`specgraph serve "
                          "--speculation`: auto, off or a depth) and vllm:plain / vllm:ngram")
     ap.add_argument("--vllm-python", default=None, help="the vllm venv's python (benchmarks/vllm_setup.sh)")
+    ap.add_argument("--vllm-memory-utilization", type=float, default=0.85,
+                    help="vLLM's --gpu-memory-utilization: on the CPU backend the share of host memory it reserves "
+                         "(its default 0.92 refuses to start when the page cache holds a little more)")
     ap.add_argument("--startup-timeout", type=float, default=3600)
     ap.add_argument("--graph-cache", default=None,
                     help="specgraph's graph cache folder (SPECGRAPH_GRAPH_CACHE; default: the user's). A new "
@@ -253,7 +256,8 @@ def main(argv=None) -> int:
             # distribution named "vllm" and fails
             cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                    str(gguf_cache_folder("default")), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
-                   "--max-model-len", "2048", "--served-model-name", MODEL_NAME, "--seed", "0"]
+                   "--max-model-len", "2048", "--served-model-name", MODEL_NAME, "--seed", "0",
+                   "--gpu-memory-utilization", str(args.vllm_memory_utilization)]
             if setting == "ngram":
                 cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
                                                             "prompt_lookup_max": 3, "prompt_lookup_min": 2})]
