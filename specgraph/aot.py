@@ -902,6 +902,19 @@ def load_dir(
     return loaded
 
 
+def load_dir_for_serving(path) -> tuple:
+    """What ``specgraph serve DIR`` serves (:func:`specgraph.serving.launch.build_server`'s
+    ``compiled``): (fast, tokenizer, the sampling filters baked into the sampling packages as a
+    temperature-1 :class:`SamplingParams`). The packages are bound to the directory's own HF
+    model (:func:`load_hf_model`), whose kernels prefill the prompts as for a served MODEL; a
+    round the directory lacks raises (``missing="error"``)."""
+    loaded = load_dir(path, model=load_hf_model(path))
+    if loaded.tokenizer is None:
+        raise ArtifactError(f"{path}: the directory holds no tokenizer (compile it with one to serve it)")
+    s = loaded.manifest["settings"]["sampling"]
+    return loaded.fast, loaded.tokenizer, SamplingParams(1.0, s["top_k"], s["top_p"], s["min_p"])
+
+
 def load_hf_model(path):
     """The HF model of a compiled directory (``path/model``; safetensors only), after checking its files."""
     d = Path(path)

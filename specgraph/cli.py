@@ -697,18 +697,53 @@ def _speculation_arg(value: str, args):
     _die(f"--speculation must be auto, off or {args.num_speculative_tokens} (--num-speculative-tokens), got {value!r}")
 
 
+# `specgraph serve MODEL` defaults of the flags a compiled directory fixes (DIR: its manifest's values)
+SERVE_DEFAULTS = {"draft": "ngram", "num_speculative_tokens": 4, "max_batch_size": 16, "max_seq_len": 2048,
+                  "modes": ("greedy", "sample")}
+
+
+def _serve_dir_settings(args) -> dict:
+    """The serve flags of compiled directory ``args.model``: its manifest's settings; a flag given
+    with another value, or a setting the server cannot run from a directory, exits 2 saying why."""
+    from specgraph import aot
+
+    s = aot.read_manifest(args.model)["settings"]
+    if s["draft"] not in (None, "ngram") or s["tree"] is not None:
+        _die(f"{args.model}: specgraph serve runs plain decoding or prompt-lookup chains; this directory was "
+             f"compiled with draft={s['draft']!r}, tree={s['tree']!r}", 2)
+    have = {"draft": "none" if s["draft"] is None else "ngram", "num_speculative_tokens": s["num_speculative_tokens"],
+            "max_batch_size": s["max_batch_size"], "max_seq_len": s["max_seq_len"], "modes": tuple(s["modes"]),
+            "top_k": s["sampling"]["top_k"], "top_p": s["sampling"]["top_p"], "min_p": s["sampling"]["min_p"]}
+    for name, value in have.items():
+        given = getattr(args, name)
+        if given is not None and (set(given) - set(value) if name == "modes" else given != value):
+            _die(f"--{name.replace('_', '-')} {given if name != 'modes' else ','.join(given)}: {args.model} was "
+                 f"compiled with {value!r} (its manifest's settings; recompile with `specgraph compile` to change it)", 2)
+    for flag, given in (("--max-logprobs", args.max_logprobs), ("--ray-replicas", args.ray_replicas)):
+        if given is not None:
+            _die(f"{flag} is not available with a compiled directory: serve the MODEL instead", 2)
+    return {**have, "modes": args.modes or have["modes"]}
+
+
 def cmd_serve(args) -> int:
     from specgraph.serving.launch import ServeConfig
 
-    if _is_dir_artifact(args.model):
-        _die(f"{args.model} is a compiled directory; serve takes a MODEL (its graphs come from the graph cache, "
-             "which `specgraph compile` and earlier starts fill)", 2)
-    _check_model_arg(args.model)
-    cfg = ServeConfig(model=args.model, draft=None if args.draft == "none" else args.draft,
-                      num_speculative_tokens=args.num_speculative_tokens, max_batch_size=args.max_batch_size,
-                      max_seq_len=args.max_seq_len, max_queue=args.max_queue, max_logprobs=args.max_logprobs,
-                      request_timeout=args.request_timeout, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                      served_model_name=args.served_model_name, modes=args.modes, threads=args.threads,
+    compiled_dir = _is_dir_artifact(args.model)
+    if compiled_dir == "onnx":
+        _die(f"{args.model} is an ONNX export; serve takes a MODEL or a directory written by `specgraph compile`", 2)
+    if compiled_dir:
+        settings = _serve_dir_settings(args)
+    else:
+        _check_model_arg(args.model)
+        settings = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in SERVE_DEFAULTS.items()}
+        settings.update(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    args.num_speculative_tokens = settings["num_speculative_tokens"]
+    cfg = ServeConfig(model=args.model, draft=None if settings["draft"] == "none" else settings["draft"],
+                      num_speculative_tokens=settings["num_speculative_tokens"],
+                      max_batch_size=settings["max_batch_size"], max_seq_len=settings["max_seq_len"],
+                      max_queue=args.max_queue, max_logprobs=args.max_logprobs, request_timeout=args.request_timeout,
+                      top_k=settings["top_k"], top_p=settings["top_p"], min_p=settings["min_p"],
+                      served_model_name=args.served_model_name, modes=settings["modes"], threads=args.threads,
                       progress=not args.quiet, speculation=_speculation_arg(args.speculation, args),
                       prefix_cache_mb=args.prefix_cache_mb)
     try:
@@ -724,7 +759,9 @@ def cmd_serve(args) -> int:
         return run_replicas(cfg, args.ray_replicas, host=args.host, port=args.port)
     from specgraph.serving.launch import run
 
-    run(cfg, host=args.host, port=args.port)
+    from specgraph import aot
+
+    run(cfg, host=args.host, port=args.port, compiled=aot.load_dir_for_serving(args.model) if compiled_dir else None)
     return 0
 
 
@@ -1146,18 +1183,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples("specgraph serve default --port 8000",
                          "specgraph serve default --draft none --max-batch-size 8",
                          "specgraph serve ./my-hf-folder --max-logprobs 5",
+                         "specgraph serve smol.sg --port 8000",
                          "specgraph serve default --ray-replicas 2"))
-    sv.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    sv.add_argument("model", metavar="MODEL|DIR",
+                    help=MODEL_HELP + "; or a directory written by `specgraph compile` (its settings come from the "
+                                      "directory; prompt lookup or plain decoding, with a tokenizer)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind")
     sv.add_argument("--port", type=int, default=8000, help="port to bind")
-    sv.add_argument("--draft", default="ngram", choices=["ngram", "none"],
+    sv.add_argument("--draft", default=None, choices=["ngram", "none"],
                     help="drafter: prompt lookup, or none (plain decoding); the depth of each round follows the load")
-    sv.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="deepest drafted round")
+    sv.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K", help="deepest drafted round (4)")
     sv.add_argument("--speculation", default="auto", metavar="auto|off|K",
                     help="auto: each round's depth from the load and the rows' acceptance; off: plain rounds on the "
                          "same graphs; K: every round with a prompt-lookup match at depth K")
-    sv.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (requests beyond wait)")
-    sv.add_argument("--max-seq-len", type=int, default=2048, help="longest prompt + max_tokens (+ K + 1) served")
+    sv.add_argument("--max-batch-size", type=int, default=None, help="rows decoded together (16; requests beyond wait)")
+    sv.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + max_tokens (+ K + 1) served (2048)")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row before 429 answers")
     sv.add_argument("--prefix-cache-mb", type=int, default=512, metavar="MB",
                     help="memory for the KV of prompt prefixes already seen (shared system prompts, repeated "
@@ -1170,7 +1210,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--top-k", type=int, default=None, help="top-k compiled into the sampling graphs (default: the model's)")
     sv.add_argument("--top-p", type=float, default=None, help="top-p compiled into the sampling graphs (default: the model's)")
     sv.add_argument("--min-p", type=float, default=None, help="min-p compiled into the sampling graphs (default: the model's)")
-    sv.add_argument("--modes", type=lambda v: tuple(_csv(v, "--modes", ("greedy", "sample"))), default=("greedy", "sample"),
+    sv.add_argument("--modes", type=lambda v: tuple(_csv(v, "--modes", ("greedy", "sample"))), default=None,
                     help="sampling lanes to build: greedy (temperature 0) and/or sample")
     sv.add_argument("--served-model-name", default=None, help="the model id the API reports (default: MODEL)")
     sv.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")

@@ -38,9 +38,11 @@ def _say(cfg: ServeConfig, msg: str) -> None:
         print(f"specgraph serve: {msg}", file=sys.stderr, flush=True)
 
 
-def build_server(cfg: ServeConfig):
+def build_server(cfg: ServeConfig, compiled=None):
     """(FastAPI app, engine, start-up report): every graph built or loaded, the scheduler not yet
-    started (the app's lifespan starts it)."""
+    started (the app's lifespan starts it). ``compiled``: (fast, tokenizer, baked sampling
+    filters) of an object compiled elsewhere (a compiled directory: ``specgraph serve DIR``),
+    served instead of loading and compiling ``cfg.model``; ``cfg`` must describe it."""
     import torch
 
     import specgraph
@@ -55,16 +57,20 @@ def build_server(cfg: ServeConfig):
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     _say(cfg, f"loading {cfg.model} ...")
-    model, tok = load_model(cfg.model)
-    t_load = time.perf_counter() - t0
-    # the rounds with log-probabilities are graphs of their own (built by the engine's warmup)
-    plain_rounds = cfg.max_logprobs is None
-    fast = specgraph.compile(model, cfg.draft, num_speculative_tokens=cfg.num_speculative_tokens,
-                             max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len, autotune=cfg.autotune,
-                             backend=cfg.backend,
-                             modes=cfg.modes, warmup=plain_rounds, progress=cfg.progress)
-    t_compile = time.perf_counter() - t0 - t_load
-    base = fast.default_sampling()
+    if compiled is not None:
+        fast, tok, base = compiled
+        t_load = t_compile = 0.0
+    else:
+        model, tok = load_model(cfg.model)
+        t_load = time.perf_counter() - t0
+        # the rounds with log-probabilities are graphs of their own (built by the engine's warmup)
+        plain_rounds = cfg.max_logprobs is None
+        fast = specgraph.compile(model, cfg.draft, num_speculative_tokens=cfg.num_speculative_tokens,
+                                 max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
+                                 autotune=cfg.autotune, backend=cfg.backend, modes=cfg.modes, warmup=plain_rounds,
+                                 progress=cfg.progress)
+        t_compile = time.perf_counter() - t0 - t_load
+        base = fast.default_sampling()
     sampling = SamplingParams(1.0, cfg.top_k if cfg.top_k is not None else base.top_k,
                               cfg.top_p if cfg.top_p is not None else base.top_p,
                               cfg.min_p if cfg.min_p is not None else base.min_p)
@@ -86,11 +92,12 @@ def build_server(cfg: ServeConfig):
     return app, engine, report
 
 
-def run(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
+def run(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+        compiled=None) -> None:
     """Build everything, then serve on host:port until interrupted (graceful: requests in
-    flight finish, then the engine stops)."""
+    flight finish, then the engine stops). ``compiled``: see :func:`build_server`."""
     import uvicorn
 
-    app, _, _ = build_server(cfg)
+    app, _, _ = build_server(cfg, compiled)
     _say(cfg, f"listening on http://{host}:{port}/v1")
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)

@@ -7,7 +7,6 @@ control: the same comparison flags a response whose rows were mixed up."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -22,39 +21,7 @@ pytest.importorskip("prometheus_client")
 import specgraph  # noqa: E402
 from specgraph.serving import ServingEngine  # noqa: E402
 from specgraph.serving.server import create_app  # noqa: E402
-from tiny_models import tiny_causal_lm  # noqa: E402
-
-EOS = 2  # the character tokenizer's </s>
-CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-def tiny_model():
-    return tiny_causal_lm(eos=EOS)
-
-
-class Live:
-    """A server on a free loopback port, run by uvicorn in a thread."""
-
-    def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        t0 = time.time()
-        while not self.server.started:
-            assert time.time() - t0 < 60, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
-
+from live_server import CHAT, Live, hf_greedy, tiny_model  # noqa: E402
 
 @pytest.fixture(scope="module")
 def served(char_tokenizer):
@@ -71,11 +38,6 @@ def served(char_tokenizer):
 
 def client(live, **kw):
     return openai.OpenAI(base_url=live.url, api_key="none", max_retries=0, **kw)
-
-
-def hf_greedy(model, ids, n):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
-    return out
 
 
 PROMPTS = ["the cat sat on the mat. the cat sat on the", "abcabcabcabc", "hello world, hello", "x",

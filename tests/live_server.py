@@ -1,0 +1,48 @@
+"""A live `specgraph serve` app for tests: uvicorn on a free loopback port, in a thread, and the
+tiny model, chat template and greedy reference the server tests share."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import torch
+import uvicorn
+
+from tiny_models import tiny_causal_lm
+
+EOS = 2  # the character tokenizer's </s>
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def tiny_model():
+    return tiny_causal_lm(eos=EOS)
+
+
+class Live:
+    """A server on a free loopback port, run by uvicorn in a thread."""
+
+    def __init__(self, app):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            assert time.time() - t0 < 60, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def hf_greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+    return out
