@@ -10,6 +10,9 @@ that both give the same tokens. It reports the packages each layout holds, their
     OMP_WAIT_POLICY=PASSIVE MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \\
     MALLOC_TOP_PAD_=1073741824 python benchmarks/batch_graph_bench.py \\
         --out benchmarks/results/batch_graphs_smollm2_amd-epyc-2c.json
+
+``--min-rows 1`` shares every bucket from 2 up (the smallest rounds too): what the default
+layout's static packages for the smallest rounds avoid.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specgraph import compiler, graphcache
+from specgraph import compiler, graphcache, graphset
 from specgraph.graphset import GraphSpec, batch_buckets, example_inputs
 from specgraph.models import load_model
 from specgraph.warping import SamplingParams
@@ -65,8 +68,12 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=384, help="attended cache slots")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--graph-cache", default=None, help="cache root (default: the user's graph cache)")
+    ap.add_argument("--min-rows", type=int, default=graphset.DYNAMIC_MIN_ROWS,
+                    help="buckets whose round feeds fewer GEMM rows keep a static package (1: every bucket from 2 "
+                         "shares the dynamic one)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    graphset.DYNAMIC_MIN_ROWS = args.min_rows
     model, _ = load_model(args.model)
     objs, layouts = {}, {}
     for name, dynamic in (("static", False), ("dynamic", True)):
@@ -106,6 +113,7 @@ def main(argv=None) -> int:
     if args.out:
         write_json(args.out, dict(model=args.model, cpu=cpu_name(), max_batch_size=args.max_batch_size,
                                   max_seq_len=args.max_seq_len, width=args.width, k=args.k, reps=args.reps,
+                                  min_rows=args.min_rows,
                                   layouts=layouts, commit=_source_commit()), rows)
     return 0 if all(r["same_tokens"] for r in rows) else 1
 

@@ -7,6 +7,13 @@ Entries live under ``$SPECGRAPH_GRAPH_CACHE`` (default ``$SPECGRAPH_CACHE/graphs
     <key>/key.json                  what the folder's graphs were built for
     <key>/<graph>[.frozen].pt2      one AOTInductor package per graph (e.g. round_b1_k4_greedy)
     <key>/<graph>[.frozen].json     its spec, sha256 and size (written after the package)
+    <key>/<graph>.static            a dynamic-batch graph that failed to export (see below)
+
+Batch buckets. The larger buckets of a round share one package whose batch is a dynamic
+dimension (``round_b2-32_k4_greedy``: buckets 2 to 32), batch 1 and the smallest rounds keep
+their own (:func:`specgraph.graphset.with_dynamic_batch`): per (mode, depth) two or three
+packages instead of one per bucket. A model whose code fixes its batch fails that export; the
+folder records it (``.static``) and holds a package per bucket instead.
 
 Graphs are shared between objects: plain decoding, ``"ngram"`` and ``"suffix"`` with the same
 model and build settings use the same ``round_b1_k0_greedy``; an object finds the graphs it needs
