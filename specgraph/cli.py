@@ -1185,13 +1185,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "specgraph serve ./my-hf-folder --max-logprobs 5",
                          "specgraph serve smol.sg --port 8000",
                          "specgraph serve default --ray-replicas 2"))
-    sv.add_argument("model", metavar="MODEL|DIR",
+    sv.add_argument("model", metavar="DIR|MODEL",
                     help=MODEL_HELP + "; or a directory written by `specgraph compile` (its settings come from the "
                                       "directory; prompt lookup or plain decoding, with a tokenizer)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind")
     sv.add_argument("--port", type=int, default=8000, help="port to bind")
     sv.add_argument("--draft", default=None, choices=["ngram", "none"],
-                    help="drafter: prompt lookup, or none (plain decoding); the depth of each round follows the load")
+                    help="drafter: prompt lookup (default), or none (plain decoding); the depth of each round follows "
+                         "the load")
     sv.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K", help="deepest drafted round (4)")
     sv.add_argument("--speculation", default="auto", metavar="auto|off|K",
                     help="auto: each round's depth from the load and the rows' acceptance; off: plain rounds on the "
@@ -1211,7 +1212,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--top-p", type=float, default=None, help="top-p compiled into the sampling graphs (default: the model's)")
     sv.add_argument("--min-p", type=float, default=None, help="min-p compiled into the sampling graphs (default: the model's)")
     sv.add_argument("--modes", type=lambda v: tuple(_csv(v, "--modes", ("greedy", "sample"))), default=None,
-                    help="sampling lanes to build: greedy (temperature 0) and/or sample")
+                    help="sampling lanes to build: greedy (temperature 0) and/or sample (default: both)")
     sv.add_argument("--served-model-name", default=None, help="the model id the API reports (default: MODEL)")
     sv.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     sv.add_argument("--ray-replicas", type=int, default=None, metavar="N",
