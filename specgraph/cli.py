@@ -761,7 +761,8 @@ def cmd_serve(args) -> int:
 
     from specgraph import aot
 
-    run(cfg, host=args.host, port=args.port, compiled=aot.load_dir_for_serving(args.model) if compiled_dir else None)
+    loader = (lambda: aot.load_dir_for_serving(args.model)) if compiled_dir else None
+    run(cfg, host=args.host, port=args.port, compiled=loader)
     return 0
 
 

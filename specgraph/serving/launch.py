@@ -41,8 +41,9 @@ def _say(cfg: ServeConfig, msg: str) -> None:
 def build_server(cfg: ServeConfig, compiled=None):
     """(FastAPI app, engine, start-up report): every graph built or loaded, the scheduler not yet
     started (the app's lifespan starts it). ``compiled``: (fast, tokenizer, baked sampling
-    filters) of an object compiled elsewhere (a compiled directory: ``specgraph serve DIR``),
-    served instead of loading and compiling ``cfg.model``; ``cfg`` must describe it."""
+    filters) of an object compiled elsewhere (a compiled directory: ``specgraph serve DIR``), or a
+    function returning them (timed as the load), served instead of loading and compiling
+    ``cfg.model``; ``cfg`` must describe it."""
     import torch
 
     import specgraph
@@ -58,8 +59,8 @@ def build_server(cfg: ServeConfig, compiled=None):
     t0 = time.perf_counter()
     _say(cfg, f"loading {cfg.model} ...")
     if compiled is not None:
-        fast, tok, base = compiled
-        t_load = t_compile = 0.0
+        fast, tok, base = compiled() if callable(compiled) else compiled
+        t_load, t_compile = time.perf_counter() - t0, 0.0
     else:
         model, tok = load_model(cfg.model)
         t_load = time.perf_counter() - t0
