@@ -2,6 +2,7 @@
 tiny model, chat template and greedy reference the server tests share."""
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -46,3 +47,19 @@ class Live:
 def hf_greedy(model, ids, n):
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
     return out
+
+
+def greedy_choices(live, prompts, max_tokens):
+    """The first choice of a greedy completion of each prompt, all sent at once to ``live``."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=live.url, api_key="none", max_retries=0)
+
+    async def one(p):
+        r = await client.completions.create(model="tiny", prompt=p, max_tokens=max_tokens, temperature=0)
+        return r.choices[0]
+
+    async def all_():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(all_())

@@ -6,18 +6,17 @@ prompts. Exactness: concurrent greedy completions equal ``model.generate`` (nega
 the same comparison against another prompt's continuation fails)."""
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 
 from specgraph import aot  # noqa: E402
 from specgraph.cli import main  # noqa: E402
 from specgraph.serving.launch import ServeConfig, build_server  # noqa: E402
-from live_server import CHAT, Live, hf_greedy, tiny_model  # noqa: E402
+from live_server import CHAT, Live, greedy_choices, hf_greedy, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +53,7 @@ def test_a_served_directory_equals_generate(compiled):
     try:
         prompts = ["the cat sat on the mat. the cat sat on the", "abcabcabcabc", "hello world, hello",
                    "1 2 3 4 5 6 7 8 9 10 11 12 " * 4]
-        client = openai.AsyncOpenAI(base_url=live.url, api_key="none", max_retries=0)
-
-        async def one(p):
-            r = await client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0)
-            return r.choices[0]
-
-        async def all_():
-            return await asyncio.gather(*(one(p) for p in prompts))
-
-        choices = asyncio.run(all_())
+        choices = greedy_choices(live, prompts, 24)
         for p, ch in zip(prompts, choices):
             got, want = ch.model_extra["token_ids"], hf_greedy(model, tok(p).input_ids, 24)
             assert got == want[: len(got)] and (ch.finish_reason != "length" or len(got) == 24), p

@@ -21,7 +21,7 @@ pytest.importorskip("prometheus_client")
 import specgraph  # noqa: E402
 from specgraph.serving import ServingEngine  # noqa: E402
 from specgraph.serving.server import create_app  # noqa: E402
-from live_server import CHAT, Live, hf_greedy, tiny_model  # noqa: E402
+from live_server import CHAT, Live, greedy_choices, hf_greedy, tiny_model  # noqa: E402
 
 @pytest.fixture(scope="module")
 def served(char_tokenizer):
@@ -47,17 +47,8 @@ PROMPTS = ["the cat sat on the mat. the cat sat on the", "abcabcabcabc", "hello 
 
 def test_concurrent_greedy_equals_generate(served):
     model, tok, engine, live = served
-    c = openai.AsyncOpenAI(base_url=live.url, api_key="none", max_retries=0)
-
-    async def one(p):
-        r = await c.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0)
-        return r.choices[0]
-
-    async def all_():
-        return await asyncio.gather(*(one(p) for p in PROMPTS))
-
     rounds0 = engine.stats.rounds
-    choices = asyncio.run(all_())
+    choices = greedy_choices(live, PROMPTS, 40)
     mismatched = []
     for p, ch in zip(PROMPTS, choices):
         ids = tok(p).input_ids
