@@ -757,9 +757,8 @@ def cmd_serve(args) -> int:
         from specgraph.serving.ray_app import run_replicas
 
         return run_replicas(cfg, args.ray_replicas, host=args.host, port=args.port)
-    from specgraph.serving.launch import run
-
     from specgraph import aot
+    from specgraph.serving.launch import run
 
     loader = (lambda: aot.load_dir_for_serving(args.model)) if compiled_dir else None
     run(cfg, host=args.host, port=args.port, compiled=loader)
