@@ -36,6 +36,7 @@ from specgraph.generation import (GenerationRequest, ScoreLog, StepStreamer, Uns
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
 from specgraph.processors import LogitsSpec, chain_paths, process_logits, tree_paths
 from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
+from specgraph.templates import memoize_kernel_templates
 from specgraph.verify import chain_noise, exponential_noise, tree_noise, verify_chain_with_noise, verify_tree_with_noise
 from specgraph.warping import SamplingParams, normalize_filters, token_logprobs, warped_probs
 
@@ -468,6 +469,7 @@ def inductor_settings(device, freeze: bool, autotune: bool) -> dict:
     and it pays with frozen weights only). No autotune tables or stats reach the user's terminal.
     On CPU the per-step elementwise kernels are tiny: one OpenMP region each costs more than it
     saves, so they run single-threaded (GEMMs still use all threads)."""
+    memoize_kernel_templates()
     config = {"freezing": freeze}
     if autotune:
         config.update(max_autotune=True,

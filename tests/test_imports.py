@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parent.parent / "specgraph"
 
 LAYERS = [
     ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset",
-              "processors", "generation",
+              "processors", "generation", "templates",
               "kernels", "passes"}),
     ("engine", {"compiler", "eager", "packages"}),
     ("drafters", {"drafters", "suffix", "heads", "learned"}),
