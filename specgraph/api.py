@@ -52,6 +52,7 @@ def prepare_settings(fast: SpecGraphModel, generation_config, modes=MODES, progr
         if extra is not None:
             info = fast.graph_cache
             fast.graph_cache = {**info, "hit": info["hit"] and extra["hit"], "built": info["built"] + extra["built"],
+                                "helper_built": info["helper_built"] + extra["helper_built"],
                                 "loaded": info["loaded"] + extra["loaded"], "frozen": info["frozen"] + extra["frozen"],
                                 "seconds": round(info["seconds"] + extra["seconds"], 2)}
     fast.warmup(modes, progress=progress and fast.graph_cache is None, generation_config=generation_config)

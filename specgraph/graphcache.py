@@ -47,7 +47,10 @@ import json
 import os
 import platform
 import shutil
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -69,6 +72,8 @@ FORMAT_VERSION = 3
 KEY_FILE = "key.json"
 ENV_ROOT = "SPECGRAPH_GRAPH_CACHE"
 DISK_MARGIN_BYTES = 1 << 30  # left free on the cache's disk
+ENV_HELPER = "SPECGRAPH_BUILD_HELPER"  # off: never build in a helper process; on: whenever possible
+HELPER_MIN_PARAMS = 20_000_000  # by default a helper builds beside the process for models this large
 _OFF = ("0", "off", "false", "no")  # values of $SPECGRAPH_GRAPH_CACHE that turn the default off
 
 
@@ -171,7 +176,7 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
                   dynamic_batch: bool = True) -> dict | None:
     """Serve ``fast``'s graph set (:meth:`SpecGraphModel.graph_plan`) from the cache, building the
     graphs it lacks (or holds corrupt) first. Returns what happened ({"path", "hit", "built",
-    "loaded", "frozen", "seconds"}), or None when the object cannot be cached or the disk has no
+    "helper_built" (of those, built by a helper process), "loaded", "frozen", "seconds"}), or None when the object cannot be cached or the disk has no
     room (a warning says so). :meth:`SpecGraphModel.warmup` afterwards runs every graph once and
     builds with the JIT whatever the cache does not serve. ``logits`` (a
     :class:`specgraph.processors.LogitsSpec`): the plan's rounds with these logits processors
@@ -201,15 +206,14 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
             _register(fast, packages, g, pkg)
     if missing and not _room_for(fast, folder, sum(f for _, f in missing)):
         return None
-    if missing:
-        _build(fast, folder, digest, missing, packages, progress)
+    helped = _build(fast, folder, digest, missing, packages, progress) if missing else 0
     served = fast.graphs_in_use()
     if isinstance(served, CachedGraphs):  # more packages for the same object (another processor setting)
         served.packages.update(packages)
     else:
         fast.use_graphs(CachedGraphs(packages, fast.default_sampling()))
     loaded = len({id(p) for p in packages.values()})  # a dynamic-batch package serves several buckets
-    return {"path": str(folder), "hit": not missing, "built": len(missing), "loaded": loaded,
+    return {"path": str(folder), "hit": not missing, "built": len(missing), "helper_built": helped, "loaded": loaded,
             "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan),
             "seconds": round(time.perf_counter() - t0, 2)}
 
@@ -284,39 +288,210 @@ def _room_for(fast, folder: Path, n_frozen: int) -> bool:
     return True
 
 
-def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progress: bool) -> None:
-    """Package each (graph, frozen) of ``missing`` into ``folder`` and open it into ``packages``.
-    A dynamic-batch graph that fails to export is recorded as such (``<graph>.static``) and
+def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progress: bool) -> int:
+    """Package each (graph, frozen) of ``missing`` into ``folder`` and open it into ``packages``,
+    with a helper process building beside this one when :func:`_wants_helper` says it pays
+    (returns how many graphs it built). A
+    dynamic-batch graph that fails to export is recorded as such (``<graph>.static``) and
     replaced by a graph per batch bucket, with a warning."""
     device = next(fast.model.parameters()).device
-    vocab = fast.vocab
-    todo = list(missing)
-    bar = Progress(len(todo), progress, verb="building")
+    work = _Work(missing, packages, Progress(len(missing), progress, verb="building"))
+    helper = _Helper(fast, folder, digest, work) if _wants_helper(fast, missing) else None
+
+    def build_here(g, frozen) -> None:
+        work.bar.start(g.name)
+        t1 = time.perf_counter()
+        try:
+            pkg = build_package(fast, folder, digest, g, frozen, device, fast.vocab)
+        except (torch._dynamo.exc.UserError, UnsupportedModel) as e:  # the model's code fixes its batch
+            if g.batches is None:
+                raise
+            _write_atomic(folder / f"{g.name}.static", f"{type(e).__name__}: {e}\n")
+            warnings.warn(f"specgraph: {g.name} does not export with a dynamic batch ({type(e).__name__}); "
+                          "building a graph per batch bucket instead", stacklevel=5)
+            work.add([(s, fast.reserve_frozen_copy(s.name)) for s in _per_bucket(fast, g)])
+            return
+        work.done(fast, g, pkg, time.perf_counter() - t1)
+
     try:
         with torch.no_grad():
-            while todo:
-                g, frozen = todo.pop(0)
-                bar.start(g.name)
-                t1 = time.perf_counter()
-                try:
-                    pkg = _package(fast, folder, digest, g, frozen, device, vocab)
-                except (torch._dynamo.exc.UserError, UnsupportedModel) as e:  # the model's code fixes its batch
-                    if g.batches is None:
-                        raise
-                    _write_atomic(folder / f"{g.name}.static", f"{type(e).__name__}: {e}\n")
-                    warnings.warn(f"specgraph: {g.name} does not export with a dynamic batch ({type(e).__name__}); "
-                                  "building a graph per batch bucket instead", stacklevel=4)
-                    static = _per_bucket(fast, g)
-                    todo += [(s, fast.reserve_frozen_copy(s.name)) for s in static]
-                    bar.grow(len(static))
-                    continue
-                _register(fast, packages, g, pkg)
-                bar.advance(g.name, time.perf_counter() - t1)
+            while True:
+                item = work.take()
+                if item is not None:
+                    build_here(*item)
+                elif helper is not None and helper.busy() and work.helper_holds():
+                    helper.wait(0.5)  # the helper builds the last graphs, and may yet hand one back
+                else:
+                    break
+            if helper is not None:
+                helper.close()
+                while (item := work.take()) is not None:  # what it handed back while stopping
+                    build_here(*item)
     finally:
-        bar.close()
+        if helper is not None:
+            helper.close()
+        work.bar.close()
+    return work.by_helper
 
 
-def _package(fast, folder: Path, digest: str, g, frozen: bool, device, vocab) -> Package:
+class _Work:
+    """The graphs still to build, shared by this process and its helper: this process takes from
+    the front, the helper from the back; ``in_helper`` counts what the helper holds."""
+
+    def __init__(self, missing: list, packages: dict, bar: Progress):
+        self.todo, self.packages, self.bar = list(missing), packages, bar
+        self.lock = threading.Lock()
+        self.in_helper = 0  # graphs the helper is building
+        self.by_helper = 0  # graphs the helper built
+
+    def take(self, helper: bool = False):
+        with self.lock:
+            if not self.todo:
+                return None
+            self.in_helper += helper
+            return self.todo.pop(-1 if helper else 0)
+
+    def helper_holds(self) -> bool:
+        with self.lock:
+            return self.in_helper > 0
+
+    def give_back(self, item) -> None:
+        """A graph the helper took and did not build: this process builds it next."""
+        with self.lock:
+            self.todo.insert(0, item)
+            self.in_helper -= 1
+
+    def add(self, items: list) -> None:
+        with self.lock:
+            self.todo += items
+            self.bar.grow(len(items))
+
+    def done(self, fast, g, pkg: Package, seconds: float, helper: bool = False) -> None:
+        with self.lock:
+            _register(fast, self.packages, g, pkg)
+            self.in_helper -= helper
+            self.by_helper += helper
+            self.bar.advance(g.name, seconds)
+
+
+def _wants_helper(fast, missing: list) -> bool:
+    """Whether a helper process builds beside this one: ``$SPECGRAPH_BUILD_HELPER`` off never, on
+    whenever the object allows it; by default when the machine has a second core, there are at
+    least two graphs to build and the model has HELPER_MIN_PARAMS parameters (a helper's start,
+    ~15 s, pays for itself only when a graph takes longer than that). The helper rebuilds the
+    object from the saved model, so it serves chains and plain decoding of a model whose class
+    it can import, without logits processors."""
+    env = os.environ.get(ENV_HELPER, "").lower()
+    if env in _OFF or len(missing) < 2:
+        return False
+    cls = type(fast.model)
+    if (fast.tree is not None or fast.draft not in (None, "ngram", "suffix") or cls.__module__ == "__main__"
+            or not hasattr(cls, "from_pretrained") or any(g.logits is not None for g, _ in missing)):
+        return False
+    if env in ("1", "on", "true", "yes"):
+        return True
+    return (os.cpu_count() or 1) >= 2 and sum(p.numel() for p in fast.model.parameters()) >= HELPER_MIN_PARAMS
+
+
+class _Helper:
+    """A :mod:`specgraph.buildworker` process fed from a thread of this one: it takes graphs from
+    the back of the shared work, builds them into the cache folder, and this process checks and
+    opens each package. A graph it fails on goes back to this process; a helper that fails to
+    start, or fails on anything but a dynamic-batch export, stops (with a warning) and leaves the
+    rest to this process."""
+
+    def __init__(self, fast, folder: Path, digest: str, work: _Work):
+        self.fast, self.folder, self.digest, self.work = fast, folder, digest, work
+        self.proc, self.stopping = None, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="specgraph-build-helper", daemon=True)
+        self.thread.start()
+
+    def busy(self) -> bool:
+        return self.thread.is_alive()
+
+    def wait(self, seconds: float) -> None:
+        self.thread.join(seconds)
+
+    def close(self) -> None:
+        self.stopping.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self.thread.join()
+
+    def _run(self) -> None:
+        model_dir = Path(tempfile.mkdtemp(dir=self.folder, prefix=".helper-model-"))
+        log = self.folder / f".helper-{os.getpid()}.log"
+        try:
+            with open(log, "w") as err:
+                self._start(model_dir, err)
+                self._serve()
+        except Exception as e:  # noqa: BLE001 - this process builds what the helper did not
+            if not self.stopping.is_set():
+                tail = log.read_text()[-2000:] if log.exists() else ""
+                warnings.warn(f"specgraph: the build helper process stopped ({type(e).__name__}: {e}); building the "
+                              f"remaining graphs in this process\n{tail}", stacklevel=2)
+        finally:
+            if self.proc is not None:
+                try:
+                    self.proc.stdin.close()  # the helper's end of the work: it exits
+                except OSError:  # it has already exited
+                    pass
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+            shutil.rmtree(model_dir, ignore_errors=True)
+            log.unlink(missing_ok=True)
+
+    def _start(self, model_dir: Path, err) -> None:
+        import specgraph.compiler as compiler
+
+        model = self.fast.model
+        model.save_pretrained(model_dir)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "specgraph.buildworker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        cls = type(model)
+        self._send({"model_dir": str(model_dir), "model_class": f"{cls.__module__}.{cls.__qualname__}",
+                    "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                    "attn_implementation": model.config._attn_implementation, "folder": str(self.folder),
+                    "digest": self.digest, "min_attend": compiler.MIN_ATTEND,
+                    "settings": {"draft": self.fast.draft, "num_speculative_tokens": max(self.fast.k, 1),
+                                 "max_batch_size": self.fast.max_batch_size, "max_seq_len": self.fast.max_seq_len,
+                                 "freeze": self.fast.freeze, "autotune": self.fast.autotune}})
+        reply = self._receive()
+        if not reply.get("ready"):
+            raise RuntimeError(reply.get("error", "no answer"))
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set() and (item := self.work.take(helper=True)) is not None:
+            g, frozen = item
+            try:
+                self._send({"graph": dataclasses.asdict(g), "frozen": frozen})
+                reply = self._receive()
+                pkg = _open_cached(self.fast, self.folder, g, frozen, self.digest) if "built" in reply else None
+            except BaseException:
+                self.work.give_back(item)
+                raise
+            if pkg is None:
+                self.work.give_back(item)
+                if reply.get("export"):
+                    continue  # this process meets the same export error and records it
+                raise RuntimeError(reply.get("error", f"{g.name}: no usable package"))
+            self.work.done(self.fast, g, pkg, reply["seconds"], helper=True)
+
+    def _send(self, obj: dict) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def _receive(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the helper exited (code {self.proc.wait()})")
+        return json.loads(line)
+
+
+def build_package(fast, folder: Path, digest: str, g, frozen: bool, device, vocab) -> Package:
     """Build graph ``g`` into ``folder`` (written atomically, with its record) and open it."""
     t1 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as stage:
@@ -327,7 +502,7 @@ def _package(fast, folder: Path, digest: str, g, frozen: bool, device, vocab) ->
         built = Path(stage) / spec["file"]
         spec["file"] = f"{stem}.pt2"
         rec = {"format": FORMAT, "key": digest, "spec": spec, "file": file_entry(built),
-               "seconds": round(time.perf_counter() - t1, 2)}
+               "seconds": round(time.perf_counter() - t1, 2), "pid": os.getpid()}
         built.replace(folder / spec["file"])
     _write_atomic(folder / f"{stem}.json", json.dumps(rec, indent=1) + "\n")
     return Package(folder / spec["file"], model_tensors(fast.model), spec)

@@ -289,3 +289,76 @@ def test_a_model_that_fixes_its_batch_gets_a_package_per_bucket(model, tmp_path,
         warnings.filterwarnings("error", message="specgraph")  # the record is read: no second attempt
         again = specgraph.compile(model, None, cache=tmp_path, **settings)
     assert again.graph_cache["hit"] is True and again.graph_cache["loaded"] == 4
+
+
+def _records(folder: Path) -> dict:
+    return {p.name: json.loads(p.read_text()) for p in folder.glob("*.frozen.json")}
+
+
+def test_a_helper_process_builds_beside_the_compiling_one(model, tmp_path, monkeypatch):
+    import os
+    import time
+
+    monkeypatch.setenv(graphcache.ENV_HELPER, "on")
+    real = graphcache.build_package
+    first = []
+
+    def after_the_helper_started(fast, folder, *args):
+        # this process waits, on its first graph, until the helper is building one: on a tiny model
+        # it would otherwise build every graph before the helper's interpreter is up
+        deadline = time.monotonic() + 180
+        while not first and time.monotonic() < deadline and not any(folder.glob(".build-*")):
+            time.sleep(0.2)
+        first.append(True)
+        return real(fast, folder, *args)
+
+    monkeypatch.setattr(graphcache, "build_package", after_the_helper_started)
+    unique = counters["stats"]["unique_graphs"]
+    settings = {**SETTINGS, "max_batch_size": 8, "modes": ("greedy",)}
+    fast = specgraph.compile(model, "ngram", cache=tmp_path, **settings)
+    info = fast.graph_cache
+    folder = Path(info["path"])
+    assert info["built"] == info["loaded"] == 5 and info["helper_built"] >= 1
+    pids = {r["pid"] for r in _records(folder).values()}
+    assert os.getpid() in pids and len(pids) == 2  # both processes built packages
+    assert not list(folder.glob(".helper-*")) and not list(folder.glob(".build-*"))  # its files are gone
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="specgraph")
+        for B in (1, 2, 5, 8):
+            assert_rows_equal(model, fast, B)
+    assert counters["stats"]["unique_graphs"] == unique and fast.graphs_built == {}
+
+
+def test_the_helper_refuses_another_model(model, tmp_path):
+    import io
+
+    from specgraph import buildworker, compiler
+
+    fast = specgraph.compile(model, "ngram", cache=False, **{**SETTINGS, "warmup": False})
+    other = tiny_llama(seed=1)  # same architecture and settings, other weights
+    other.save_pretrained(tmp_path / "model")
+    job = {"model_dir": str(tmp_path / "model"), "model_class": "transformers.LlamaForCausalLM", "dtype": "float32",
+           "attn_implementation": "sdpa", "folder": str(tmp_path), "min_attend": compiler.MIN_ATTEND,
+           "digest": graphcache.key_digest(graphcache.entry_key(fast)),
+           "settings": {"draft": "ngram", "num_speculative_tokens": 2, "max_batch_size": 1, "max_seq_len": 96,
+                        "freeze": True, "autotune": False}}
+    out = io.StringIO()
+    assert buildworker.serve(io.StringIO(json.dumps(job) + "\n"), out) == 1
+    assert "is not the parent's" in json.loads(out.getvalue())["error"]
+    # control: the parent's own model passes the check
+    model.save_pretrained(tmp_path / "same")
+    out = io.StringIO()
+    assert buildworker.serve(io.StringIO(json.dumps({**job, "model_dir": str(tmp_path / "same")}) + "\n"), out) == 0
+    assert json.loads(out.getvalue()) == {"ready": True}
+
+
+def test_a_helper_that_fails_leaves_the_graphs_to_this_process(model, tmp_path, monkeypatch):
+    monkeypatch.setenv(graphcache.ENV_HELPER, "on")
+    monkeypatch.setattr(graphcache.sys, "executable", "/bin/false")  # the helper exits at once
+    settings = {**SETTINGS, "max_batch_size": 2, "modes": ("greedy",)}
+    with pytest.warns(UserWarning, match="build helper process stopped"):
+        fast = specgraph.compile(model, None, cache=tmp_path, **settings)
+    info = fast.graph_cache
+    assert info["built"] == info["loaded"] == 2 and info["helper_built"] == 0
+    assert {r["pid"] for r in _records(Path(info["path"])).values()} == {__import__("os").getpid()}
+    assert_rows_equal(model, fast, 2)

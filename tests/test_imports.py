@@ -23,7 +23,7 @@ LAYERS = [
     ("engine", {"compiler", "eager", "packages"}),
     ("drafters", {"drafters", "suffix", "heads", "learned"}),
     ("policy", {"adaptive", "planner"}),
-    ("api", {"api", "graphcache"}),
+    ("api", {"api", "graphcache", "buildworker"}),
     ("serve", {"serving"}),  # the specgraph.serving package, as one module
     ("export", {"aot", "onnx_export", "onnx", "cli", "train"}),
 ]
