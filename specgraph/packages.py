@@ -11,6 +11,7 @@ weights inside the ``.so``. Used by compiled directories (:mod:`specgraph.aot`) 
 """
 from __future__ import annotations
 
+import shutil
 import time
 import warnings
 import zipfile
@@ -129,6 +130,7 @@ def package_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out / rel),
                                                  inductor_configs=inductor_configs(device, freeze, autotune))
     del ep
+    drop_build_folder(out / rel)
     # every constant an unfrozen package expects must be a tensor of the model (bound at load time)
     fqns = [] if freeze else open_package(out / rel).get_constant_fqns()
     unbound = [n for n in fqns if not n.startswith(CONST_PREFIX) or n[len(CONST_PREFIX):] not in tensors]
@@ -142,6 +144,24 @@ def package_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors
                    for n, shape, a in zip(names, shapes, args)],
         "num_constants": len(fqns), "frozen": freeze,
     }, {n[len(CONST_PREFIX):] for n in fqns})
+
+
+def drop_build_folder(package: Path) -> int:
+    """Delete the folder Inductor compiled ``package`` in, inside its cache directory (a folder
+    per build, named by a hash of the build's code): its wrapper .so is now inside the package and
+    is never read there again, and for a frozen package it carries a copy of the weights (about
+    620 MB for SmolLM2 fp32 per graph). Returns the bytes freed."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    with zipfile.ZipFile(package) as z:
+        libs = {Path(n).name for n in z.namelist() if n.endswith(".wrapper.so")}
+    root, freed = Path(cache_dir()), 0
+    for name in libs:
+        for lib in root.glob(f"*/{name}"):
+            folder = lib.parent
+            freed += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            shutil.rmtree(folder, ignore_errors=True)
+    return freed
 
 
 def check_package_archive(path: Path) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,13 @@ def test_first_compile_builds_the_graphs_and_generates_exactly(model, first, roo
     folder = Path(info["path"])
     assert sorted(p.name for p in folder.glob("*.pt2")) == sorted(f"{g.name}.frozen.pt2" for g in first.graph_plan())
     assert json.loads((folder / graphcache.KEY_FILE).read_text()) == graphcache.entry_key(first)
+    # Inductor's build folders (the wrapper .so, with the weights when frozen) are gone from its cache
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    for pkg in folder.glob("*.pt2"):
+        with zipfile.ZipFile(pkg) as z:
+            libs = [Path(n).name for n in z.namelist() if n.endswith(".wrapper.so")]
+        assert libs and not list(Path(cache_dir()).glob(f"*/{libs[0]}")), pkg.name
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="specgraph")  # nothing is built inside generate
         assert_greedy_equal(model, first)
