@@ -37,7 +37,8 @@ from specgraph.passes import attend_prefix_pass, run_step_pipeline
 from specgraph.processors import LogitsSpec, chain_paths, process_logits, tree_paths
 from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
 from specgraph.templates import memoize_kernel_templates
-from specgraph.verify import chain_noise, exponential_noise, tree_noise, verify_chain_with_noise, verify_tree_with_noise
+from specgraph.verify import (chain_noise, exponential_noise, tree_noise, verify_chain_rows, verify_chain_with_noise,
+                              verify_tree_with_noise)
 from specgraph.warping import SamplingParams, normalize_filters, token_logprobs, warped_probs
 
 NEG_INF = float("-inf")
@@ -1058,10 +1059,15 @@ class SpecGraphModel:
         return self._compiled("round", self.round_function(B, self._graph_params(params), k, extras))
 
     def round_function(self, B: int, params: SamplingParams, k: int, extras: "RoundExtras | None" = None,
-                       max_batch: int | None = None):
+                       max_batch: int | None = None, greedy_rows: bool = False):
         """The uncompiled chain round of :meth:`_round_fn`, taking the attended slots [W] (or an int
         width: a graph for that width only) first. ``max_batch``: its step has a dynamic batch
-        (2 .. max_batch, traced at B): for ``torch.export`` with a batch dimension."""
+        (2 .. max_batch, traced at B): for ``torch.export`` with a batch dimension.
+        ``greedy_rows`` (sampling ``params``, deterministic drafts, no extras): the sampling round
+        in which a row whose temperature is 0 is verified greedily (:func:`verify_chain_rows`), so
+        one graph serves greedy and sampled rows."""
+        if greedy_rows and (params.greedy or self.draft_q or extras is not None or self.learned is not None):
+            raise ValueError("greedy_rows= is for sampling rounds of deterministic drafts without extras")
         S, window = self.slots, self.window
         use_q = self.draft_q and not params.greedy and k > 0
         step = self._step(B, k + 1, max_batch=max_batch)
@@ -1091,6 +1097,11 @@ class SpecGraphModel:
             def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, *rest):
                 processed, raw, hidden = target(cols, root, L, active, drafts, rest)
                 return outputs(verify_chain_with_noise(processed, None, drafts, None, 0.0), processed, raw, hidden)
+        elif greedy_rows:
+            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
+                processed, _, _ = target(cols, root, L, active, drafts, rest)
+                return verify_chain_rows(processed, drafts, (accept_u, expo), temperature, params.top_k, params.top_p,
+                                         params.min_p)
         else:
             def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
                 processed, raw, hidden = target(cols, root, L, active, drafts, rest)

@@ -15,8 +15,12 @@ their own (:func:`specgraph.graphset.with_dynamic_batch`): per (mode, depth) two
 packages instead of one per bucket. A model whose code fixes its batch fails that export; the
 folder records it (``.static``) and holds a package per bucket instead.
 
+Modes. With both modes a chain round is one package for greedy and sampled rows
+(``round_b1_k4_any``: a row at temperature 0 is verified greedily,
+:func:`specgraph.graphset.with_merged_modes`), half the packages of one per mode.
+
 Graphs are shared between objects: plain decoding, ``"ngram"`` and ``"suffix"`` with the same
-model and build settings use the same ``round_b1_k0_greedy``; an object finds the graphs it needs
+model and build settings use the same ``round_b1_k0_any``; an object finds the graphs it needs
 there and builds only the missing ones.
 
 Key. sha256 over every weight of the model (names, dtypes, shapes, bytes), its canonical
@@ -62,7 +66,7 @@ from specgraph.artifacts import (
     ArtifactError, canonical_config, cpu_capability, cpu_model, file_entry, verify_files, versions, weights_sha256,
 )
 from specgraph.freezing import weight_bytes
-from specgraph.graphset import MODES, Progress, with_dynamic_batch, with_logits
+from specgraph.graphset import MODES, Progress, with_dynamic_batch, with_logits, with_merged_modes
 from specgraph.models import cache_dir
 from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key
 from specgraph.warping import SamplingParams
@@ -173,7 +177,7 @@ class CachedGraphs(dict):
 
 
 def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=None,
-                  dynamic_batch: bool = True) -> dict | None:
+                  dynamic_batch: bool = True, merge_modes: bool = True) -> dict | None:
     """Serve ``fast``'s graph set (:meth:`SpecGraphModel.graph_plan`) from the cache, building the
     graphs it lacks (or holds corrupt) first. Returns what happened ({"path", "hit", "built",
     "helper_built" (of those, built by a helper process), "loaded", "frozen", "seconds"}), or None when the object cannot be cached or the disk has no
@@ -182,7 +186,9 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     :class:`specgraph.processors.LogitsSpec`): the plan's rounds with these logits processors
     instead, added to the packages the object is already served from. ``dynamic_batch``: batch
     buckets 2 and up share a package per round (:func:`specgraph.graphset.with_dynamic_batch`);
-    False: a package per bucket."""
+    False: a package per bucket. ``merge_modes``: with both modes, a chain round without logits
+    processors is one package for greedy and sampled rows (:func:`specgraph.graphset.with_merged_modes`);
+    False: a package per mode."""
     if unsupported(fast) is not None:
         return None
     t0 = time.perf_counter()
@@ -194,6 +200,8 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     plan = fast.graph_plan(modes)
     if logits is not None:
         plan = with_logits(plan, logits)
+    if merge_modes and not fast.draft_q:
+        plan = with_merged_modes(plan)
     if dynamic_batch:
         plan = _batch_plan(fast, folder, digest, plan)
     packages, missing = {}, []
@@ -212,16 +220,41 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
         served.packages.update(packages)
     else:
         fast.use_graphs(CachedGraphs(packages, fast.default_sampling()))
-    loaded = len({id(p) for p in packages.values()})  # a dynamic-batch package serves several buckets
+    # a dynamic-batch package serves several buckets, a package of mode "any" both modes
+    loaded = len({id(getattr(p, "package", p)) for p in packages.values()})
     return {"path": str(folder), "hit": not missing, "built": len(missing), "helper_built": helped, "loaded": loaded,
             "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan),
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def _register(fast, packages: dict, g, pkg: Package) -> None:
-    """``pkg`` (graph ``g``) as the package of every batch bucket it serves."""
+    """``pkg`` (graph ``g``) as the package of every batch bucket it serves; a graph of mode
+    "any" serves the sampling rounds as it is and the greedy rounds through :class:`GreedyRows`."""
+    shape = g.tree if g.kind == "tree" else g.depth
+    lanes = {"greedy": GreedyRows(pkg, fast.vocab), "sample": pkg} if g.mode == "any" else {g.mode: pkg}
     for b in g.served_batches(fast.max_batch_size):
-        packages[package_key(g.kind, b, g.tree if g.kind == "tree" else g.depth, g.mode, g.logits)] = pkg
+        for mode, fn in lanes.items():
+            packages[package_key(g.kind, b, shape, mode, g.logits)] = fn
+
+
+class GreedyRows:
+    """A greedy round run on a package of mode "any" (:func:`specgraph.graphset.with_merged_modes`):
+    takes the greedy round's inputs (``cols, root, L, active, accept_u, expo [B, K+1, 1], drafts,
+    draft_probs, *kv``) and runs the package with every row at temperature 0 (verified greedily)
+    and the race's noise, which greedy rows do not read, as ones [B, K+1, V]."""
+
+    def __init__(self, package: Package, vocab: int):
+        self.package, self.vocab = package, vocab
+        self._ones: dict = {}  # K+1 -> (ones [B, K+1, V], zeros [B]) for the largest B seen
+
+    def __call__(self, cols, root, L, active, accept_u, expo, drafts, draft_probs, *kv):
+        B, q = expo.shape[:2]
+        ones, zeros = self._ones.get(q, (None, None))
+        if ones is None or ones.shape[0] < B or ones.device != expo.device:
+            ones = torch.ones(B, q, self.vocab, device=expo.device)
+            zeros = torch.zeros(B, device=expo.device)
+            self._ones[q] = ones, zeros
+        return self.package(cols, root, L, active, accept_u, ones[:B], drafts, draft_probs, zeros[:B], *kv)
 
 
 def _batch_plan(fast, folder: Path, digest: str, plan: list) -> list:

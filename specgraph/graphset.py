@@ -39,7 +39,7 @@ class GraphSpec:
     kind: str
     batch: int
     width: int | None
-    mode: str  # "greedy" or "sample"
+    mode: str  # "greedy", "sample", or "any" (greedy and sampled rows: with_merged_modes)
     depth: int
     tree: tuple | None = None
     logits: object = None  # a round's logits processors (specgraph.processors.LogitsSpec), None: none
@@ -133,6 +133,31 @@ def with_dynamic_batch(plan: list[GraphSpec], max_batch: int) -> list[GraphSpec]
     return out
 
 
+def with_merged_modes(plan: list[GraphSpec]) -> list[GraphSpec]:
+    """``plan`` with each pair of chain rounds that differ only in mode (greedy and sample, no
+    logits processors) as one graph of mode "any": the sampling round in which rows at
+    temperature 0 are verified greedily (:func:`specgraph.verify.verify_chain_rows`).
+
+    Why: a graph takes minutes to build and holds a weight copy, and the two rounds share
+    everything up to the verification. The greedy rows of the merged graph also compute the
+    sampling race they then discard (a softmax over [B, K+1, V]), a few percent of a round. Only
+    for deterministic drafts (prompt lookup, suffix, plain decoding): model drafts read their
+    draft probabilities in sampled rounds."""
+    modes: dict = {}
+    for g in plan:
+        if g.kind == "round" and g.logits is None:
+            modes.setdefault(dataclasses.replace(g, mode="any").key(), set()).add(g.mode)
+    out, seen = [], set()
+    for g in plan:
+        merged = dataclasses.replace(g, mode="any")
+        if g.kind != "round" or g.logits is not None or modes[merged.key()] != {"greedy", "sample"}:
+            out.append(g)
+        elif merged.key() not in seen:
+            seen.add(merged.key())
+            out.append(merged)
+    return out
+
+
 def with_logits(plan: list[GraphSpec], logits) -> list[GraphSpec]:
     """The rounds of ``plan`` (what logits processors change) with processors ``logits`` (a
     :class:`specgraph.processors.LogitsSpec`, or None: the plain rounds)."""
@@ -145,7 +170,7 @@ def example_inputs(fast, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
     dev = next(fast.model.parameters()).device
     B = g.batch
     long = dict(dtype=torch.long, device=dev)
-    sample = g.mode == "sample"
+    sample = g.mode != "greedy"
     if g.kind == "prefill":
         C = g.depth
         return ([torch.zeros(B, C, **long), torch.arange(C, **long).expand(B, C).contiguous(),

@@ -80,7 +80,7 @@ def module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
     if g.kind == "tree":
         return _Graph(fast.tree_round_function(g.batch, params, g.tree, extras, max_batch=top),
                       fast._step(g.batch, g.tree[0], max_batch=top))
-    return _Graph(fast.round_function(g.batch, params, g.depth, extras, max_batch=top),
+    return _Graph(fast.round_function(g.batch, params, g.depth, extras, max_batch=top, greedy_rows=g.mode == "any"),
                   fast._step(g.batch, g.depth + 1, max_batch=top))
 
 

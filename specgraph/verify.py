@@ -198,6 +198,28 @@ def verify_chain_with_noise(
     return combine_chain(draft_tokens == target[:, :K], target, draft_tokens)
 
 
+def verify_chain_rows(
+    target_logits: torch.Tensor,  # [B, K+1, V]
+    draft_tokens: torch.Tensor,  # [B, K] long
+    noise: tuple[torch.Tensor, torch.Tensor],  # (accept_u [B, K], expo [B, K+1, V])
+    temperature: torch.Tensor,  # [B] float32; 0 marks a greedy row
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_chain_with_noise` for deterministic drafts with greedy and sampled rows in one
+    batch: a row whose temperature is 0 takes the greedy verification (``argmax`` of its logits,
+    its noise unused), every other row the exponential race at its temperature. Each row's
+    tokens are exactly what the single-mode verification would give it."""
+    K = draft_tokens.shape[1]
+    greedy = temperature <= 0  # [B]
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    warped = warp_logits(target_logits.float() / scale.view(-1, 1, 1), 1.0, top_k, top_p, min_p)
+    raced = race_sample(torch.softmax(warped, dim=-1), noise[1])  # [B, K+1]
+    target = torch.where(greedy.unsqueeze(1), target_logits.argmax(dim=-1), raced)
+    return combine_chain(draft_tokens == target[:, :K], target, draft_tokens)
+
+
 # ----------------------------------------------------------------------------------------------
 # tree
 

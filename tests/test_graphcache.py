@@ -1,9 +1,11 @@
 """The persistent graph cache (specgraph.graphcache), on a tiny Llama (prompt lookup K = 2: depths
-0 and 2, batch bucket 1, greedy and sampling: 4 packages).
+0 and 2, batch bucket 1, greedy and sampling: 2 packages of mode "any", each serving greedy and
+sampled rows).
 
 - a first compile builds the graphs (no JIT graph: Dynamo compiles nothing), and greedy output
   over several prompt lengths equals ``model.generate``; sampled output reproduces under a seed
-  and equals the engine's eager round;
+  and equals the engine's eager round (negative control: the greedy lane of a package run with
+  its rows at temperature 1 does not equal ``model.generate``);
 - a second compile of the same model and settings loads them (builds nothing), and plain decoding
   finds its depth-0 graphs among them;
 - a changed weight that the embedding-only fingerprint does not see, or a changed setting, is
@@ -88,10 +90,10 @@ def first(model, root):
 
 def test_first_compile_builds_the_graphs_and_generates_exactly(model, first, root):
     info = first.graph_cache
-    assert info["hit"] is False and info["built"] == info["loaded"] == info["frozen"] == 4
+    assert info["hit"] is False and info["built"] == info["loaded"] == info["frozen"] == 2
     assert first.graphs_built == {}  # no JIT graph
     folder = Path(info["path"])
-    assert sorted(p.name for p in folder.glob("*.pt2")) == sorted(f"{g.name}.frozen.pt2" for g in first.graph_plan())
+    assert sorted(p.name for p in folder.glob("*.pt2")) == ["round_b1_k0_any.frozen.pt2", "round_b1_k2_any.frozen.pt2"]
     assert json.loads((folder / graphcache.KEY_FILE).read_text()) == graphcache.entry_key(first)
     # Inductor's build folders (the wrapper .so, with the weights when frozen) are gone from its cache
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -112,13 +114,36 @@ def test_first_compile_builds_the_graphs_and_generates_exactly(model, first, roo
     assert torch.equal(a, c)  # the packaged sampling round is the engine's round
 
 
+def test_greedy_rows_of_a_merged_package_are_verified_greedily(model, first):
+    """The greedy lane runs the "any" package with every row at temperature 0. Negative control:
+    the same packages with the rows at temperature 1 (and exponential noise) are a sampling
+    round, whose output is not ``model.generate``'s."""
+    served = first.graphs_in_use().packages
+    lane = served[package_key("round", 1, 2, "greedy")]
+    assert isinstance(lane, graphcache.GreedyRows) and lane.package is served[package_key("round", 1, 2, "sample")]
+    gen = torch.Generator().manual_seed(0)
+
+    def at_temperature_one(fn):
+        def run(cols, root, L, active, accept_u, expo, drafts, draft_probs, *kv):
+            B, q = expo.shape[:2]
+            noise = -torch.log(torch.rand(B, q, 128, generator=gen).clamp_min(1e-30))
+            return fn.package(cols, root, L, active, accept_u, noise, drafts, draft_probs, torch.ones(B), *kv)
+        return run
+
+    control = specgraph.compile(model, "ngram", cache=False, backend="eager", **{**SETTINGS, "warmup": False})
+    swapped = {key: (at_temperature_one(p) if isinstance(p, graphcache.GreedyRows) else p) for key, p in served.items()}
+    control.use_graphs(graphcache.CachedGraphs(swapped, control.default_sampling()))
+    with pytest.raises(AssertionError):
+        assert_greedy_equal(model, control)
+
+
 def test_second_compile_loads_the_graphs(model, first, root):
     again = specgraph.compile(model, "ngram", cache=root, **SETTINGS)
-    assert again.graph_cache["hit"] is True and again.graph_cache["built"] == 0 and again.graph_cache["loaded"] == 4
+    assert again.graph_cache["hit"] is True and again.graph_cache["built"] == 0 and again.graph_cache["loaded"] == 2
     assert again.graph_cache["path"] == first.graph_cache["path"] and again.graphs_built == {}
     assert_greedy_equal(model, again)
     plain = specgraph.compile(model, None, cache=root, **SETTINGS)  # depth 0, greedy and sampling: already there
-    assert plain.graph_cache["hit"] is True and plain.graph_cache["loaded"] == 2 and plain.graphs_built == {}
+    assert plain.graph_cache["hit"] is True and plain.graph_cache["loaded"] == 1 and plain.graphs_built == {}
     assert_greedy_equal(model, plain)
 
 
@@ -138,9 +163,10 @@ def test_changed_weights_or_settings_are_another_entry(model, first, root):
     folder = Path(first.graph_cache["path"])
     tensors = dict(changed.named_parameters())
     packages = {}
-    for record in folder.glob("round_*_greedy.frozen.json"):
+    for record in folder.glob("round_*_any.frozen.json"):
         spec = json.loads(record.read_text())["spec"]
-        packages[package_key("round", spec["batch"], spec["depth"], "greedy")] = Package(folder / spec["file"], tensors, spec)
+        pkg = graphcache.GreedyRows(Package(folder / spec["file"], tensors, spec), 128)
+        packages[package_key("round", spec["batch"], spec["depth"], "greedy")] = pkg
     stale.use_graphs(graphcache.CachedGraphs(packages, stale.default_sampling()))
     ids = prompts()[2]
     assert not torch.equal(stale.generate(ids, max_new_tokens=24), hf(changed, ids))
@@ -152,13 +178,13 @@ def test_a_corrupt_package_is_rebuilt_not_trusted(model, first, root, tmp_path):
     src = Path(first.graph_cache["path"])
     copy_root = tmp_path / "c"
     shutil.copytree(src, copy_root / src.name)
-    pkg = copy_root / src.name / "round_b1_k2_greedy.frozen.pt2"
+    pkg = copy_root / src.name / "round_b1_k2_any.frozen.pt2"
     data = bytearray(pkg.read_bytes())
     data[len(data) // 2] ^= 0xFF
     pkg.write_bytes(bytes(data))
-    with pytest.warns(UserWarning, match="round_b1_k2_greedy.frozen.pt2 is not usable.*sha256"):
+    with pytest.warns(UserWarning, match="round_b1_k2_any.frozen.pt2 is not usable.*sha256"):
         fast = specgraph.compile(model, "ngram", cache=copy_root, **SETTINGS)
-    assert fast.graph_cache["hit"] is False and fast.graph_cache["built"] == 1 and fast.graph_cache["loaded"] == 4
+    assert fast.graph_cache["hit"] is False and fast.graph_cache["built"] == 1 and fast.graph_cache["loaded"] == 2
     assert_greedy_equal(model, fast)
 
 
@@ -203,7 +229,7 @@ def test_cli_lists_and_clears_the_cache(first, root, tmp_path):
     r = subprocess.run([sys.executable, "-m", "specgraph.cli", "cache", "--dir", str(copy)], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "round_b1_k2_greedy.frozen" in r.stdout and "llama float32" in r.stdout.replace("torch.", "")
+    assert "round_b1_k2_any.frozen" in r.stdout and "llama float32" in r.stdout.replace("torch.", "")
     r = subprocess.run([sys.executable, "-m", "specgraph.cli", "cache", "--dir", str(copy), "--clear"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "removed" in r.stdout

@@ -215,3 +215,21 @@ def test_dynamic_batch_plan_keeps_small_rounds_static():
     tree = GraphSpec("tree", 2, None, "greedy", 3, (8, 2, 3))
     assert [g.name for g in with_dynamic_batch([tree, dataclasses.replace(tree, batch=4)], 4)] == ["tree_b2-4_n8_c2_d3_greedy"]
     assert with_dynamic_batch(plan[:4], 2) == plan[:4]  # buckets 1 and 2: nothing to share
+
+
+def test_merged_modes_pair_chain_rounds_only():
+    """A chain round planned in both modes becomes one graph of mode "any"; a round in one mode,
+    a tree round and a round with logits processors keep their modes. With the dynamic batch
+    after it, ``max_batch_size=8`` prompt lookup at K = 4 is 5 packages instead of 10."""
+    from specgraph.graphset import GraphSpec, with_dynamic_batch, with_merged_modes
+
+    plan = [GraphSpec("round", b, None, m, k) for b in (1, 2, 4, 8) for m in ("greedy", "sample") for k in (0, 4)]
+    merged = with_merged_modes(plan)
+    assert [g.name for g in merged] == [f"round_b{b}_k{k}_any" for b in (1, 2, 4, 8) for k in (0, 4)]
+    assert sorted(g.name for g in with_dynamic_batch(merged, 8)) == sorted(
+        f"round_{s}_any" for s in ("b1_k0", "b2_k0", "b4-8_k0", "b1_k4", "b2-8_k4"))
+    tree = GraphSpec("tree", 1, None, "greedy", 3, (8, 2, 3))
+    lone = GraphSpec("round", 1, None, "greedy", 2)
+    procs = [GraphSpec("round", 1, None, m, 0, logits="lp") for m in ("greedy", "sample")]
+    kept = [tree, dataclasses.replace(tree, mode="sample"), lone, *procs]
+    assert with_merged_modes(kept) == kept

@@ -738,3 +738,34 @@ def test_compile_fullgraph_tree(fresh_dynamo):
     b = sampled(target, q, tree_tokens)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+# ----------------------------------------------------------------------------------------------
+# greedy and sampled rows in one verification (the graph cache's rounds of mode "any")
+
+
+@pytest.mark.parametrize("filters", [(None, None, None), (5, 0.9, None), (None, None, 0.05)])
+def test_chain_rows_give_each_row_its_single_mode_verification(filters):
+    from specgraph.verify import chain_noise, verify_chain_rows, verify_chain_with_noise
+
+    B, K, V = 6, 3, 40
+    g = _gen(11)
+    logits = torch.randn(B, K + 1, V, generator=g) * 3
+    drafts = logits[:, :K].argmax(-1)  # the greedy choice: greedy rows accept, sampled rows may not
+    drafts[1, 1] = (drafts[1, 1] + 1) % V  # a rejection in a greedy row
+    noise = chain_noise(B, K, V, "cpu", g)
+    temperature = torch.tensor([0.0, 0.0, 0.7, 1.0, 0.0, 1.5])
+    tokens, n = verify_chain_rows(logits, drafts, noise, temperature, *filters)
+    for b in range(B):
+        t = float(temperature[b])
+        if t == 0:
+            ref = verify_chain_with_noise(logits[b:b + 1], None, drafts[b:b + 1], None, 0.0)
+        else:
+            scaled = logits[b:b + 1].float() / t
+            ref = verify_chain_with_noise(scaled, None, drafts[b:b + 1], (noise[0][b:b + 1], noise[1][b:b + 1]), 1.0,
+                                          *filters)
+        assert torch.equal(tokens[b], ref[0][0]) and int(n[b]) == int(ref[1][0]), b
+    assert n[0] == K + 1 and n[1] == 2  # greedy rows: all accepted / the rejection at position 1
+    # negative control: the same rows all sampled at temperature 1 give the greedy rows other tokens
+    sampled, _ = verify_chain_rows(logits, drafts, noise, torch.ones(B), *filters)
+    assert not torch.equal(sampled[[0, 1, 4]], tokens[[0, 1, 4]])
