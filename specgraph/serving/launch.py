@@ -49,7 +49,7 @@ def build_server(cfg: ServeConfig, compiled=None):
     import specgraph
     from specgraph.models import load_model
     from specgraph.serving.engine import ServingEngine
-    from specgraph.serving.server import create_app
+    from specgraph.serving.server import DIR_FILTER_HINT, FILTER_HINT, create_app
     from specgraph.warping import SamplingParams
 
     if cfg.draft not in (None, "ngram"):
@@ -84,7 +84,8 @@ def build_server(cfg: ServeConfig, compiled=None):
                            max_logprobs=cfg.max_logprobs, policy=policy, prefix_cache_bytes=cfg.prefix_cache_mb << 20)
     warm = engine.warmup(cfg.modes, progress=cfg.progress)
     name = cfg.served_model_name or cfg.model
-    app = create_app(engine, tok, name, request_timeout=cfg.request_timeout)
+    app = create_app(engine, tok, name, request_timeout=cfg.request_timeout,
+                     filter_hint=FILTER_HINT if compiled is None else DIR_FILTER_HINT)
     report = {"load_seconds": round(t_load, 2), "compile_seconds": round(t_compile, 2),
               "engine_seconds": warm["seconds"], "graphs": warm["graphs"], "graph_cache": fast.graph_cache,
               "startup_seconds": round(time.perf_counter() - t0, 2)}

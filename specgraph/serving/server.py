@@ -45,12 +45,18 @@ def _error_body(message: str, kind: str, param=None, code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+FILTER_HINT = "start it with {flag} {value}"  # a server of a model: the filters are serve flags
+DIR_FILTER_HINT = "compile the directory again with {flag} {value}"  # a compiled directory bakes them
+
+
 class OpenAIServer:
     """Request parsing, generation and response shapes; :func:`create_app` mounts it on FastAPI."""
 
-    def __init__(self, engine: ServingEngine, tokenizer, model_name: str, *, request_timeout: float = REQUEST_TIMEOUT):
+    def __init__(self, engine: ServingEngine, tokenizer, model_name: str, *, request_timeout: float = REQUEST_TIMEOUT,
+                 filter_hint: str = FILTER_HINT):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.request_timeout = request_timeout
+        self.filter_hint = filter_hint  # how to serve another top-k / top-p / min-p: {flag} {value}
         gc = engine.fast.model.generation_config
         eos = gc.eos_token_id if gc.eos_token_id is not None else tokenizer.eos_token_id
         self.eos = tuple([eos] if isinstance(eos, int) else (eos or []))
@@ -82,9 +88,9 @@ class OpenAIServer:
                 continue
             same = got == want or (want is None and got in (neutral, 0 if name == "top_k" else neutral))
             if not same:
+                hint = self.filter_hint.format(flag="--" + name.replace("_", "-"), value=got)
                 raise RequestError(400, f"{name}={got!r}: this server's sampling graphs are compiled with {name}="
-                                        f"{want!r}; start it with --{name.replace('_', '-')} {got} to serve that",
-                                   param=name)
+                                        f"{want!r}; {hint} to serve that", param=name)
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise RequestError(400, f"seed must be an integer, got {seed!r}", param="seed")
@@ -361,13 +367,15 @@ def metrics_text(server: OpenAIServer) -> bytes:
     return generate_latest(reg)
 
 
-def create_app(engine: ServingEngine, tokenizer, model_name: str, *, request_timeout: float = REQUEST_TIMEOUT):
+def create_app(engine: ServingEngine, tokenizer, model_name: str, *, request_timeout: float = REQUEST_TIMEOUT,
+               filter_hint: str = FILTER_HINT):
     """The FastAPI app. Its lifespan starts the engine's scheduler and, at shutdown, stops it:
-    requests still queued or running then get an error (503), none hangs."""
+    requests still queued or running then get an error (503), none hangs. ``filter_hint``: what a
+    400 for an unserved top-k / top-p / min-p tells the client to do ({flag}, {value})."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    server = OpenAIServer(engine, tokenizer, model_name, request_timeout=request_timeout)
+    server = OpenAIServer(engine, tokenizer, model_name, request_timeout=request_timeout, filter_hint=filter_hint)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

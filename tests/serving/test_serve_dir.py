@@ -59,5 +59,10 @@ def test_a_served_directory_equals_generate(compiled):
             assert got == want[: len(got)] and (ch.finish_reason != "length" or len(got) == 24), p
         a, b = choices[0].model_extra["token_ids"], hf_greedy(model, tok(prompts[1]).input_ids, 24)
         assert a != b[: len(a)]  # negative control: the comparison tells prompts apart
+        import openai
+
+        c = openai.OpenAI(base_url=live.url, api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="compile the directory again with --top-p 0.5"):
+            c.completions.create(model=str(d), prompt="a", max_tokens=4, temperature=1.0, top_p=0.5)
     finally:
         live.stop()

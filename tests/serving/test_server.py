@@ -136,7 +136,7 @@ def test_errors_models_health_metrics(served):
         c.completions.create(model="tiny", prompt="a", max_tokens=4, n=2)
     with pytest.raises(openai.BadRequestError, match="max_seq_len"):
         c.completions.create(model="tiny", prompt="a", max_tokens=5000)
-    with pytest.raises(openai.BadRequestError, match="top_p"):
+    with pytest.raises(openai.BadRequestError, match="top_p.*start it with --top-p 0.5"):
         c.completions.create(model="tiny", prompt="a", max_tokens=4, temperature=1.0, top_p=0.5)
     import json
     import urllib.request
