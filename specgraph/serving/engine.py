@@ -17,7 +17,8 @@ Each pass of the scheduler thread:
 3. runs one round for the decoding rows: prompt-lookup drafts, the depth the load-aware policy
    (:class:`specgraph.serving.depth.LoadAwareDepth`) picks for this occupancy, then the round
    graph, once per sampling lane present (greedy rows and sampled rows run different graphs;
-   the other lane's rows are inactive in each);
+   the other lane's rows are inactive in each), or once for both when the graph cache serves
+   the round with a package of mode "any" (a row at temperature 0 is verified greedily in it);
 4. hands each row its new tokens and retires the rows that finished or were cancelled.
 
 Rows never affect each other: every round is exact per row (a row attends only its own cache
@@ -41,7 +42,9 @@ import torch
 from specgraph.compiler import NGRAM_MAX, NGRAM_MIN, RoundExtras, SpecGraphModel, advance_rows
 from specgraph.drafters import ngram_propose
 from specgraph.generation import stop_at
+from specgraph.graphcache import CachedGraphs, GreedyRows
 from specgraph.graphset import batch_buckets
+from specgraph.packages import package_key
 from specgraph.serving.depth import LoadAwareDepth, measure_costs
 from specgraph.serving.prefix import PrefixCache
 from specgraph.verify import exponential_noise
@@ -132,6 +135,7 @@ class EngineStats:
     drafted: dict = field(default_factory=lambda: collections.Counter())  # position -> drafts verified there
     accepted: dict = field(default_factory=lambda: collections.Counter())  # position -> accepted there
     occupancy_sum: int = 0  # decoding rows summed over rounds
+    joint_rounds: int = 0  # rounds whose greedy and sampled rows ran in one graph call
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))  # (time, tokens)
 
     def tokens_per_second(self, window: float = 10.0) -> float:
@@ -472,7 +476,11 @@ class ServingEngine:
         tokens = torch.zeros(b, k + 1, dtype=torch.long, device=self.device)
         n = torch.zeros(b, dtype=torch.long, device=self.device)
         logprobs = None
-        for lane, greedy_lane in ((greedy, True), (sampled, False)):
+        lanes = ((greedy, True), (sampled, False))
+        if any(greedy) and any(sampled) and self._one_call_for_both_lanes(b, k):
+            lanes = (([g or s for g, s in zip(greedy, sampled)], False),)  # greedy rows at temperature 0
+            self.stats.joint_rounds += 1
+        for lane, greedy_lane in lanes:
             if not any(lane):
                 continue
             active = torch.tensor(lane, device=self.device)
@@ -488,7 +496,7 @@ class ServingEngine:
         self.L[:b], self.root[:b] = advance_rows(self.hist[:b], self.L[:b], self.root[:b], tokens,
                                                  torch.tensor(adv, device=self.device))
         seconds = time.perf_counter() - t0
-        self.policy.observe(b, k, seconds, lanes=int(any(greedy)) + int(any(sampled)))
+        self.policy.observe(b, k, seconds, lanes=sum(any(lane) for lane, _ in lanes))
         st = self.stats
         st.rounds += 1
         st.depth_rounds[k] += 1
@@ -501,6 +509,16 @@ class ServingEngine:
             return self.hist[:b, :0], [False] * b
         drafts, matched = ngram_propose(self.hist[:b], self.L[:b] + 1, self.K, NGRAM_MAX, NGRAM_MIN)
         return drafts, [bool(x) for x in (matched > 0).tolist()]
+
+    def _one_call_for_both_lanes(self, b: int, k: int) -> bool:
+        """Whether this round's greedy rows can run in its sampling graph: the graph cache serves
+        the round with one package for both modes (mode "any", where a row at temperature 0 is
+        verified greedily) and bakes this server's filters into it."""
+        graphs = self.fast.graphs_in_use()
+        if self.extras is not None or not isinstance(graphs, CachedGraphs) or graphs.sampling != self.sampling:
+            return False
+        lane = graphs.packages.get(package_key("round", b, k, "greedy"))
+        return isinstance(lane, GreedyRows) and graphs.packages.get(package_key("round", b, k, "sample")) is lane.package
 
     def _run_lane(self, b, k, width, drafts, active, greedy, L_host, kv):
         """One round graph over the rows of one sampling lane (the others inactive)."""

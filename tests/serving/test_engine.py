@@ -153,8 +153,8 @@ def test_refusals():
 def test_packages_of_mode_any_serve_both_lanes(tmp_path):
     """From the graph cache, both modes are one package per round (mode "any"): a batch mixing
     greedy and seeded sampled requests gives the greedy rows ``model.generate``'s text and the
-    sampled rows what the engine's own sampling rounds give them, run eagerly (the sampled lane
-    is the package run as it is, the greedy lane with every row at temperature 0)."""
+    sampled rows what the engine's own sampling rounds give them, run eagerly. A round with both
+    kinds of rows runs the package once, its greedy rows at temperature 0."""
     from pathlib import Path
 
     from specgraph import graphcache
@@ -167,9 +167,13 @@ def test_packages_of_mode_any_serve_both_lanes(tmp_path):
     ps = prompts(5, seed=3)
     reqs = [ServeRequest(p, 20, eos=(EOS,)) if i % 2 == 0 else ServeRequest(p, 20, temperature=0.8, seed=i)
             for i, p in enumerate(ps)]
-    outs = run_all(ServingEngine(fast), reqs)[0]
+    engine = ServingEngine(fast)
+    outs = run_all(engine, reqs)[0]
+    assert engine.stats.joint_rounds > 0  # rounds with both kinds of rows ran as one graph call
     jit = specgraph.compile(model, "ngram", cache=False, warmup=False, backend="eager", **settings)
-    ref = run_all(ServingEngine(jit), reqs)[0]
+    ref_engine = ServingEngine(jit)
+    ref = run_all(ref_engine, reqs)[0]
+    assert ref_engine.stats.joint_rounds == 0  # graphs per mode: a call per lane
     for i, (p, o) in enumerate(zip(ps, outs)):
         if i % 2 == 0:
             want = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p):].tolist()
