@@ -196,6 +196,7 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     digest = key_digest(key)
     folder = cache_root(root) / digest
     folder.mkdir(parents=True, exist_ok=True)
+    _sweep(folder)
     _write_atomic(folder / KEY_FILE, json.dumps(key, indent=1, sort_keys=True) + "\n", keep=True)
     plan = fast.graph_plan(modes)
     if logits is not None:
@@ -225,6 +226,23 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     return {"path": str(folder), "hit": not missing, "built": len(missing), "helper_built": helped, "loaded": loaded,
             "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan),
             "seconds": round(time.perf_counter() - t0, 2)}
+
+
+STALE_SECONDS = 3600  # a build's temporary files older than this belong to a process that died
+
+
+def _sweep(folder: Path) -> None:
+    """Remove what killed builds left in ``folder``: stage folders (``.build-*``), a helper's model
+    copy and log (``.helper-*``), unrenamed files (``.*.tmp``), once older than STALE_SECONDS (a
+    build takes minutes; younger ones may be another process's, in progress)."""
+    now = time.time()
+    for p in [*folder.glob(".build-*"), *folder.glob(".helper-*"), *folder.glob(".*.tmp")]:
+        try:
+            if now - p.stat().st_mtime < STALE_SECONDS:
+                continue
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        except OSError:  # another process removed it first
+            pass
 
 
 def _register(fast, packages: dict, g, pkg: Package) -> None:

@@ -147,6 +147,28 @@ def test_second_compile_loads_the_graphs(model, first, root):
     assert_greedy_equal(model, plain)
 
 
+def test_a_killed_builds_leftovers_are_swept(model, first, root):
+    """Stage folders, a helper's model copy and temporary files of a build whose process died are
+    removed by the next compile once an hour old; younger ones (maybe a build in progress) stay."""
+    import os
+    import time
+
+    folder = Path(first.graph_cache["path"])
+    old = [folder / ".build-dead", folder / ".helper-model-dead", folder / ".x.json.123.tmp"]
+    young = folder / ".build-running"
+    for p in (*old[:2], young):
+        p.mkdir()
+        (p / "part.pt2").write_bytes(b"x" * 100)
+    old[2].write_text("{}")
+    stale = time.time() - graphcache.STALE_SECONDS - 60
+    for p in old:
+        os.utime(p, (stale, stale))
+    again = specgraph.compile(model, "ngram", cache=root, **SETTINGS)
+    assert again.graph_cache["hit"] is True
+    assert not any(p.exists() for p in old) and young.exists()
+    shutil.rmtree(young)
+
+
 def test_changed_weights_or_settings_are_another_entry(model, first, root):
     changed = tiny_llama()
     with torch.no_grad():
