@@ -17,8 +17,8 @@ The helper rebuilds the compiled object from the model the parent saved (``save_
 and the parent's compile settings, then checks that the graph-cache key of its object (weights,
 configuration, settings, versions, machine) is the parent's: a helper whose model or settings
 differ in any way refuses to build. It writes each package into the cache folder exactly as the
-parent would (:func:`specgraph.graphcache.build_package`); the parent then checks the package's
-record and sha256 before opening it.
+parent would (:func:`specgraph.graphcache.write_package`), without opening it; the parent checks
+the package's record and sha256, then opens it.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 
 def _answer(out, obj: dict) -> None:
@@ -75,8 +76,6 @@ def serve(inp, out) -> int:
         _answer(out, {"error": f"{type(e).__name__}: {e}"})
         return 1
     _answer(out, {"ready": True})
-    from pathlib import Path
-
     folder = Path(job["folder"])
     device = next(fast.model.parameters()).device
     for line in inp:
@@ -85,7 +84,7 @@ def serve(inp, out) -> int:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                graphcache.build_package(fast, folder, job["digest"], g, req["frozen"], device, fast.vocab)
+                graphcache.write_package(fast, folder, job["digest"], g, req["frozen"], device, fast.vocab)
         except Exception as e:  # noqa: BLE001 - the parent builds this graph itself
             traceback.print_exc()
             export = isinstance(e, (torch._dynamo.exc.UserError, UnsupportedModel))

@@ -180,8 +180,8 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
                   dynamic_batch: bool = True, merge_modes: bool = True) -> dict | None:
     """Serve ``fast``'s graph set (:meth:`SpecGraphModel.graph_plan`) from the cache, building the
     graphs it lacks (or holds corrupt) first. Returns what happened ({"path", "hit", "built",
-    "helper_built" (of those, built by a helper process), "loaded", "frozen", "seconds"}), or None when the object cannot be cached or the disk has no
-    room (a warning says so). :meth:`SpecGraphModel.warmup` afterwards runs every graph once and
+    "helper_built" (of those, built by a helper process), "loaded", "frozen", "seconds"}), or None
+    when the object cannot be cached or the disk has no room (a warning says so). :meth:`SpecGraphModel.warmup` afterwards runs every graph once and
     builds with the JIT whatever the cache does not serve. ``logits`` (a
     :class:`specgraph.processors.LogitsSpec`): the plan's rounds with these logits processors
     instead, added to the packages the object is already served from. ``dynamic_batch``: batch
@@ -341,10 +341,9 @@ def _room_for(fast, folder: Path, n_frozen: int) -> bool:
 
 def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progress: bool) -> int:
     """Package each (graph, frozen) of ``missing`` into ``folder`` and open it into ``packages``,
-    with a helper process building beside this one when :func:`_wants_helper` says it pays
-    (returns how many graphs it built). A
-    dynamic-batch graph that fails to export is recorded as such (``<graph>.static``) and
-    replaced by a graph per batch bucket, with a warning."""
+    with a helper process building beside this one when :func:`_wants_helper` says it pays;
+    returns how many graphs the helper built. A dynamic-batch graph that fails to export is
+    recorded as such (``<graph>.static``) and replaced by a graph per batch bucket, with a warning."""
     device = next(fast.model.parameters()).device
     work = _Work(missing, packages, Progress(len(missing), progress, verb="building"))
     helper = _Helper(fast, folder, digest, work) if _wants_helper(fast, missing) else None
@@ -543,7 +542,15 @@ class _Helper:
 
 
 def build_package(fast, folder: Path, digest: str, g, frozen: bool, device, vocab) -> Package:
-    """Build graph ``g`` into ``folder`` (written atomically, with its record) and open it."""
+    """Build graph ``g`` into ``folder`` (:func:`write_package`) and open it."""
+    spec = write_package(fast, folder, digest, g, frozen, device, vocab)
+    return Package(folder / spec["file"], model_tensors(fast.model), spec)
+
+
+def write_package(fast, folder: Path, digest: str, g, frozen: bool, device, vocab) -> dict:
+    """Build graph ``g`` into ``folder``, written atomically with its record; returns its spec.
+    The helper process writes packages without opening them: the compiling process opens each
+    after checking it."""
     t1 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as stage:
         (Path(stage) / PT2_SUBDIR).mkdir()
@@ -556,7 +563,7 @@ def build_package(fast, folder: Path, digest: str, g, frozen: bool, device, voca
                "seconds": round(time.perf_counter() - t1, 2), "pid": os.getpid()}
         built.replace(folder / spec["file"])
     _write_atomic(folder / f"{stem}.json", json.dumps(rec, indent=1) + "\n")
-    return Package(folder / spec["file"], model_tensors(fast.model), spec)
+    return spec
 
 
 def entries(root=None) -> list[dict]:

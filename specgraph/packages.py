@@ -146,22 +146,18 @@ def package_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors
     }, {n[len(CONST_PREFIX):] for n in fqns})
 
 
-def drop_build_folder(package: Path) -> int:
+def drop_build_folder(package: Path) -> None:
     """Delete the folder Inductor compiled ``package`` in, inside its cache directory (a folder
     per build, named by a hash of the build's code): its wrapper .so is now inside the package and
     is never read there again, and for a frozen package it carries a copy of the weights (about
-    620 MB for SmolLM2 fp32 per graph). Returns the bytes freed."""
+    620 MB for SmolLM2 fp32 per graph)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     with zipfile.ZipFile(package) as z:
         libs = {Path(n).name for n in z.namelist() if n.endswith(".wrapper.so")}
-    root, freed = Path(cache_dir()), 0
     for name in libs:
-        for lib in root.glob(f"*/{name}"):
-            folder = lib.parent
-            freed += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-            shutil.rmtree(folder, ignore_errors=True)
-    return freed
+        for lib in Path(cache_dir()).glob(f"*/{name}"):
+            shutil.rmtree(lib.parent, ignore_errors=True)
 
 
 def check_package_archive(path: Path) -> None:
