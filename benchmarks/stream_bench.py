@@ -9,7 +9,7 @@ starts each specgraph method again in a fresh process and reports that start-up 
 and Inductor's on-disk caches for the ``jit`` methods, warm). Methods ending in ``jit`` build the
 same graphs with the JIT (``cache=False``); the others are served by the graph cache
 (:mod:`specgraph.graphcache`): point ``SPECGRAPH_GRAPH_CACHE`` at an empty folder to time a first
-build.
+build. Methods ending in ``untuned`` build the same packages without GEMM autotuning.
 
     SPECGRAPH_GRAPH_CACHE=$(mktemp -d) \
     OMP_WAIT_POLICY=PASSIVE MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \
@@ -52,6 +52,8 @@ SG_METHODS = {  # name -> (draft, compile kwargs)
     "specgraph plain jit": (None, {"cache": False}),  # the same graphs built by the JIT (no graph cache)
     "specgraph ngram jit": ("ngram", {"cache": False}),
     "specgraph eagle": ("eagle", {}),
+    "specgraph plain untuned": (None, {"autotune": False}),  # frozen packages without GEMM autotuning
+    "specgraph ngram untuned": ("ngram", {"autotune": False}),
 }
 
 

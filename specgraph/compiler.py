@@ -293,9 +293,9 @@ WIDTH_STEP = 64
 # then builds only the graphs it runs; the warmup tests pass warmup=True)
 WARMUP_BY_DEFAULT = True
 # autotune="auto" turns Inductor's GEMM autotuning on for CPU models of at least this many parameters:
-# SmolLM2-135M on a 2-core CPU decodes faster plain and with prompt lookup, for ~2x the compile time
-# (benchmarks/autotune_bench.py); for tiny models the GEMMs are not what a step costs, so only the
-# compile time would grow.
+# SmolLM2-135M on a 2-core CPU decodes 1.8x faster plain and 1.4x with prompt lookup, for about 12%
+# more build time per graph (benchmarks/stream_bench.py, "untuned" methods); for tiny models the
+# GEMMs are not what a step costs, so only the build time would grow.
 # On CUDA it stays off (Triton autotuning of every GEMM shape adds minutes per graph).
 AUTOTUNE_MIN_PARAMS = 50_000_000
 # On CUDA each width is one more graph to compile and record (~25 s each for SmolLM2 on an H200), while
@@ -466,8 +466,8 @@ def inductor_settings(device, freeze: bool, autotune: bool) -> dict:
     """The Inductor config of every graph specgraph builds, JIT or AOT. ``freeze``: the weights
     become constants, prepacked for the GEMMs. ``autotune``: Inductor benchmarks its own GEMM
     template against the library call per shape (on an AVX-512 CPU its micro-kernel beats MKL for
-    the few-row GEMMs of a decode round, ``benchmarks/autotune_bench.py``; ~2x the compile time,
-    and it pays with frozen weights only). No autotune tables or stats reach the user's terminal.
+    the few-row GEMMs of a decode round; about 12% more build time per graph, and it pays with
+    frozen weights only). No autotune tables or stats reach the user's terminal.
     On CPU the per-step elementwise kernels are tiny: one OpenMP region each costs more than it
     saves, so they run single-threaded (GEMMs still use all threads)."""
     memoize_kernel_templates()
