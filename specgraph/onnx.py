@@ -8,13 +8,13 @@ host sync per round) and advances the committed lengths:
 
 * chains (``draft=None``, ``"ngram"``, ``"suffix"`` with ``tree=None``): prompt lookup
   (:func:`specgraph.drafters.ngram_propose`) or the suffix index's best path
-  (:func:`specgraph.compiler.suffix_chains`, :func:`specgraph.compiler.suffix_chain_drafts`);
+  (:func:`specgraph.proposers.suffix.suffix_chains`, :func:`specgraph.proposers.suffix.suffix_chain_drafts`);
   ``verify_k{k}`` when some live row has a proposal, else the plain ``verify_k0`` step; prompt
   lookup moves k along the compiler's depth ladder (:func:`specgraph.compiler.next_k`, e.g. 4 -> 8
   after a fully accepted round), suffix chains take the smallest exported depth that holds them.
-* trees: prompt-lookup tries on the static tree (:func:`specgraph.compiler.propose_ngram_tree`) or
+* trees: prompt-lookup tries on the static tree (:func:`specgraph.proposers.ngram.propose_ngram_tree`) or
   per-request suffix trees packed into the smallest exported shape
-  (:func:`specgraph.compiler.pack_suffix_trees`); ``tree_n{N}_c{C}_d{D}`` verifies the tree and
+  (:func:`specgraph.proposers.suffix.pack_suffix_trees`); ``tree_n{N}_c{C}_d{D}`` verifies the tree and
   compacts the accepted path's K/V in the graph; the plain step when nothing was proposed.
 * a draft model: K ``draft_q{Q}`` steps (Q = 2 for the first, feeding the previous token and the
   root, then 1) on the draft's own cache, then ``verify_k{K}`` with the drafts and, when sampling,
@@ -44,10 +44,10 @@ import numpy as np
 import torch
 
 from specgraph.artifacts import ArtifactError, check_listed, safe_path, verify_files
-from specgraph.compiler import (
-    SUFFIX_MIN_SCORE, assemble_output, calibrate_suffix, eos_and_pad, next_k, pack_suffix_trees,
-    one_call, prompt_rows, propose_ngram_tree, suffix_chain_drafts, suffix_chains,
-)
+from specgraph.compiler import assemble_output, eos_and_pad, next_k, one_call, prompt_rows
+from specgraph.proposers.ngram import propose_ngram_tree
+from specgraph.proposers.suffix import (SUFFIX_MIN_SCORE, calibrate_suffix, pack_suffix_trees, suffix_chain_drafts,
+                                        suffix_chains)
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats
 from specgraph.generation import stop_at
@@ -308,11 +308,11 @@ class OnnxSpecGenerator:
     def _propose_chain(self, ladder, k_now, hist, L, root, active, sessions, sample: bool):
         """Model-free chain drafts for this round: (k, drafts [B, k], whether some live row has a
         proposal; without one the compiler takes a plain step). The compiler's rules
-        (SpecGraphModel._propose): prompt lookup drafts k_now tokens (the depth ladder), suffix
+        (specgraph.proposers): prompt lookup drafts k_now tokens (the depth ladder), suffix
         decoding the best path of each row's suffix tree, at most k_now tokens, in the smallest
-        ladder depth that holds the longest (:func:`specgraph.compiler.suffix_chain_drafts`); sampled
+        ladder depth that holds the longest (:func:`specgraph.proposers.suffix.suffix_chain_drafts`); sampled
         rounds calibrate the suffix threshold per row as the compiler does
-        (:func:`specgraph.compiler.calibrate_suffix`)."""
+        (:func:`specgraph.proposers.suffix.calibrate_suffix`)."""
         if self.draft == "ngram":
             d, matched = ngram_propose(hist, L + 1, k_now, self.manifest["ngram"]["max"], self.manifest["ngram"]["min"])
             return k_now, d, bool((matched * active).any())
@@ -330,7 +330,7 @@ class OnnxSpecGenerator:
         return propose_ngram_tree(self._tree_spec, self.tree["rank"], hist, L, active)
 
     def _draft_model_chain(self, dkv, hist, L, root, active, sample, temp, generator):
-        """K draft-model steps (SpecGraphModel._propose_with_draft_model): drafts [B, K] and, when
+        """K draft-model steps (specgraph.proposers.draft_model): drafts [B, K] and, when
         sampling, the q rows [B, K, V] they were drawn from (else None)."""
         B, V, K = self.batch_size, self.vocab, self.num_speculative_tokens
         prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)

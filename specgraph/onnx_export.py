@@ -18,7 +18,7 @@
   KV compaction of the accepted path (``compiler.compact_path``) on the output copies of the cache.
   Plus ``verify_k0``: the plain step taken when the drafter proposed nothing.
 * a draft model (``specgraph.compile(target, draft=<smaller model>)``, chains): ``draft_q2`` /
-  ``draft_q1`` (+ ``_sample``), the draft step of :meth:`SpecGraphModel._draft_fn` on the draft's
+  ``draft_q1`` (+ ``_sample``), the draft step of :meth:`SpecGraphModel.draft_graph` on the draft's
   own cache (the first step of a round feeds the previous token and the root, the K - 1 later ones
   the previous draft), ``verify_k{K}`` (+ ``_sample``, which takes the drafts' q rows) and
   ``draft_prefill_c{C}``.
@@ -93,10 +93,9 @@ from pathlib import Path
 import torch
 
 from specgraph.capture import capture_step, kv_layout, layer_windows, new_kv_cache
-from specgraph.compiler import (
-    NGRAM_MAX, NGRAM_MIN, SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES, compact_path, chain_logits, draft_logits,
-    prefill_logits, scaled_logits, tree_logits,
-)
+from specgraph.compiler import compact_path, chain_logits, draft_logits, prefill_logits, scaled_logits, tree_logits
+from specgraph.proposers.ngram import NGRAM_MAX, NGRAM_MIN
+from specgraph.proposers.suffix import SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES
 from specgraph.passes import run_step_pipeline
 from specgraph.verify import verify_chain_with_noise, verify_tree_with_noise
 from specgraph.artifacts import sha256_file
@@ -218,7 +217,7 @@ class TreeRound(torch.nn.Module):
 
 
 class DraftStep(torch.nn.Module):
-    """One draft-model step (``SpecGraphModel._draft_fn``): feed Q tokens ending at position
+    """One draft-model step (``SpecGraphModel.draft_graph``): feed Q tokens ending at position
     ``last``, propose the next token.
 
     Inputs (flat): tokens [B, Q], last [B], active [B], [expo [B, V], temperature [B] if sampling],
