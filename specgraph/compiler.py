@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specgraph import learned
+from specgraph.callrows import CallRows, advanced_slots
 from specgraph.capture import (Step, UnsupportedModel, capture_step, check_supported, full_width, layer_windows,
                                new_kv_cache, uses_alibi)
 from specgraph.eager import GenerationStats as Stats
@@ -164,25 +165,6 @@ def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None, hidden=
     mask = _step_mask(start, pos, valid, slots, window).to(kv[0].dtype)
     logits, last_hidden = step(ids, torch.where(valid, pos, 0), mask, torch.where(valid, pos, slots - 1), *kv)
     return (logits, last_hidden) if hidden else logits
-
-
-def advanced_slots(L, tokens, adv):
-    """Where a round's emitted tokens go in the history: pos [B, T] = L + 1 + j (the history holds
-    L + 1 tokens) and write [B, T] bool, j < adv (the tokens a row keeps). L [B], tokens [B, T],
-    adv [B] long (0 for rows not advanced)."""
-    step = torch.arange(tokens.shape[1], device=tokens.device)
-    return L.unsqueeze(1) + 1 + step, step.unsqueeze(0) < adv.unsqueeze(1)
-
-
-def advance_rows(hist, L, root, tokens, adv):
-    """Commit ``adv[b]`` of row b's emitted tokens: append them to the history hist [B, S] (in
-    place; slots past a row's length are its scratch) and return the new (L [B], root [B]). A
-    rolled-back draft's cache slot is simply not counted: the next round overwrites it."""
-    S = hist.shape[1]
-    pos, write = advanced_slots(L, tokens, adv)
-    hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens, hist[:, S - 1:]))
-    root = torch.where(adv > 0, tokens.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
-    return L + adv, root
 
 
 def scaled_logits(logits, temperature):
@@ -1293,12 +1275,6 @@ class SpecGraphModel:
         S = self.slots
         kv = self.cache(B)
         start = time.perf_counter()
-        # state: committed length L (cache), root token, history (for n-gram lookup)
-        hist = torch.zeros(B, S, dtype=torch.long)
-        lens = [len(r) for r in rows] + [1] * (B - n_rows)
-        for b, r in enumerate(rows):
-            hist[b, : len(r)] = torch.tensor(r)
-        hist = hist.to(device)
         # the logits processors' view of each row (padding included), and what the host checks stop on
         proc = () if req.logits is None else self._processor_state(input_ids, attention_mask, rows, req, B, device)
         self.draft_processors = (req.logits, proc)  # a draft model's proposals go through them too
@@ -1308,23 +1284,22 @@ class SpecGraphModel:
         prefilled = self.prefill_rows(B, rows, kv, device, "target")
         # a head drafter's first feed (and its cache) comes from the prompt's features
         self.proposer.start(CallStart(rows, B, device, None if prefilled is None else prefilled[1]))
-        L = torch.tensor([n - 1 for n in lens], device=device)
-        root = hist.gather(1, (L).unsqueeze(1)).squeeze(1)
-        new = [[] for _ in range(n_rows)]
-        done = [False] * n_rows + [True] * (B - n_rows)  # rows no longer decoded
-        finished, ended_at = [False] * n_rows, [0] * n_rows  # rows that have ended, and their length then
+        state = CallRows.start(rows, B, S, device)
+
+        def stop(b, emitted, room):  # the request's stops, on the row as stopping criteria see it
+            return stop_at(emitted, room, eos, req.stopping, padded[b] + state.new[b], start, req.max_time)
         V = self.vocab
-        L_host = [n - 1 for n in lens]
         self._k_now = self.k_ladder[0]
         if self.policy is not None:
             self.policy.start(self, rows, B, device)
         temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
-        while not all(done):
-            need = max(L_host[b] for b in range(B) if not done[b]) + self.span
-            width = attend_width(need, S, self.min_attend, self.width_step)
-            live = [not d for d in done]
-            view = RoundView(B, params, width, hist, L, root, torch.tensor(live, device=device), generator, V)
-            active = view.active
+        while not all(state.done):
+            width = attend_width(state.need(self.span), S, self.min_attend, self.width_step)
+            live = state.live
+            view = RoundView(B, params, width, state.hist, state.L, state.root, torch.tensor(live, device=device),
+                             generator, V)
+            hist, L, root, active = view.hist, view.L, view.root, view.active
+            done = state.done
             tree = None if self.tree is None else self.proposer.propose_tree(view)
             if tree is not None:
                 tokens, n, *rest = self._run_tree_round(B, params, width, tree, root, L, active, generator, V, kv,
@@ -1334,8 +1309,8 @@ class SpecGraphModel:
                 chain = None
                 if self.tree is None:  # (tree mode: the drafter found nothing, a plain step)
                     if self.policy is not None:  # the depth of this round, for the whole batch
-                        left = [max_new_tokens - len(new[b]) for b in range(n_rows)]
-                        self._k_now = self.policy.choose(done, L_host, hist, left)
+                        left = [max_new_tokens - len(state.new[b]) for b in range(n_rows)]
+                        self._k_now = self.policy.choose(done, state.L_host, hist, left)
                     if self._k_now:  # depth 0: a plain step (what "auto" chooses when speculation would not pay)
                         chain = self.proposer.propose(view, self._k_now)
                 chain = chain or ChainProposal(0, hist[:, :0])
@@ -1355,20 +1330,14 @@ class SpecGraphModel:
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
             self.stats.rounds += 1
             if self.policy is not None:  # per-row acceptance estimates, from the counts just read
-                self.policy.observe(k, n_h, done, L_host)
+                self.policy.observe(k, n_h, done, state.L_host)
             elif not isinstance(k, list):
                 self._k_now = self._next_k(k, [n_h[b] for b in range(n_rows) if not done[b]])
             kept = [[] for _ in range(B)]
             for b in range(n_rows):
                 if done[b]:
                     continue
-                if finished[b]:  # ended by a criterion without an EOS: transformers keeps decoding it (it pads
-                    keep, stopped = tokens_h[b][: n_h[b]][: max_new_tokens - len(new[b])], False  # only with EOS)
-                else:
-                    keep, stopped = stop_at(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos, req.stopping,
-                                            padded[b] + new[b], start, req.max_time)
-                new[b].extend(keep)
-                kept[b] = keep
+                kept[b] = keep = state.keep(b, tokens_h[b][: n_h[b]], max_new_tokens, eos, stop)
                 if score_log is not None and keep:
                     n_keep = len(keep)
                     if scores is not None:
@@ -1376,33 +1345,22 @@ class SpecGraphModel:
                     if logprobs is not None:
                         score_log.add_logprobs(b, *(t[b, :n_keep].cpu() for t in logprobs))
                 self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
-                if (stopped or len(new[b]) >= max_new_tokens) and not finished[b]:
-                    finished[b], ended_at[b] = True, len(new[b])
-                if (stopped and eos) or len(new[b]) >= max_new_tokens:
-                    done[b] = True
             self.proposer.observe(view, RoundOutcome(tokens, n, hidden, n_h, live, kept,
                                                      None if isinstance(k, list) else k))
-            if all(finished[:n_rows]):  # every row has ended: so has the call (rows kept decoding stop here)
-                steps = max(ended_at[:n_rows])
-                new = [n[:steps] for n in new]
-                done = [True] * B
-            elif stream is not None:
-                stream.advance(new, done)
-            # advance device state for the rows still running (rolled-back slots are just not counted)
-            adv_h = [0 if done[b] else n_h[b] for b in range(B)]
-            L_host = [L_host[b] + adv_h[b] for b in range(B)]
-            adv = torch.tensor(adv_h, device=device)
-            if proc:
+            if not state.end_when_all_finished() and stream is not None:
+                stream.advance(state.new, state.done)
+            adv = state.advances(n_h)  # the rows still running move on (rolled-back slots are just not counted)
+            if proc:  # the processors' view of each row grows by the same tokens
                 seq, meta = proc
-                pos, write = advanced_slots(L, tokens, adv)
+                pos, write = advanced_slots(L, tokens, torch.tensor(adv, device=device))
                 ppos = torch.where(write, pos + meta[:, :1], 2 * S - 1)
                 seq.scatter_(1, ppos, torch.where(write, tokens, seq[:, 2 * S - 1:]))
-            L, root = advance_rows(hist, L, root, tokens, adv)
+            state.commit(tokens, adv)
         if stream is not None:
-            stream.advance(new, [True] * n_rows)
+            stream.advance(state.new, [True] * n_rows)
             stream.end()
         self.stats.seconds += time.perf_counter() - start
-        return new, score_log
+        return state.new, score_log
 
     def _run_tree_round(self, B, params, width, tree, root, L, active, generator, V, kv, proc=(), extras=None):
         tree_tokens, parents, shape = tree.tokens, tree.parents, tree.shape

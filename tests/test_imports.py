@@ -20,7 +20,7 @@ LAYERS = [
     ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset",
               "processors", "generation", "templates",
               "kernels", "passes"}),
-    ("engine", {"compiler", "eager", "packages"}),
+    ("engine", {"compiler", "callrows", "eager", "packages"}),
     ("drafters", {"drafters", "suffix", "heads", "learned", "proposers"}),
     ("policy", {"adaptive", "planner"}),
     ("api", {"api", "graphcache", "buildworker"}),
