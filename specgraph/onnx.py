@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from specgraph.artifacts import ArtifactError, check_listed, safe_path, verify_files
+from specgraph.callrows import CallRows
 from specgraph.compiler import assemble_output, eos_and_pad, next_k, one_call, prompt_rows
 from specgraph.proposers.ngram import propose_ngram_tree
 from specgraph.proposers.suffix import (SUFFIX_MIN_SCORE, calibrate_suffix, pack_suffix_trees, suffix_chain_drafts,
@@ -359,20 +360,17 @@ class OnnxSpecGenerator:
         start_t = time.perf_counter()
         kv = self._new_kv("target")
         dkv = self._new_kv("draft") if self.draft == "model" else None
-        hist = torch.zeros(B, S, dtype=torch.long)
-        lens = [len(r) for r in rows] + [1] * (B - n_rows)
-        for b, r in enumerate(rows):
-            hist[b, : len(r)] = torch.tensor(r)
         self._prefill(rows, kv)
         if dkv is not None:
             self._prefill(rows, dkv, "draft")
-        L = torch.tensor([n - 1 for n in lens])
-        root = hist.gather(1, L.unsqueeze(1)).squeeze(1)
-        new = [[] for _ in range(n_rows)]
-        done = [False] * n_rows + [True] * (B - n_rows)
+        state = CallRows.start(rows, B, S, "cpu")  # the compiled loop's row state
+
+        def stop(b, emitted, room):
+            return stop_at(emitted, room, eos)
         temp = np.full(B, temperature, dtype=np.float32)
-        while not all(done):
-            active = torch.tensor([not d for d in done])
+        while not all(state.done):
+            hist, L, root, done = state.hist, state.L, state.root, state.done
+            active = torch.tensor(state.live)
             tree = None if self.tree is None else self._propose_tree(hist, L, root, active, sessions)
             inputs = {"root": root.numpy(), "L": L.numpy(), "active": active.numpy()}
             if tree is not None:
@@ -418,22 +416,14 @@ class OnnxSpecGenerator:
             for b in range(n_rows):
                 if done[b]:
                     continue
-                keep, stopped = stop_at(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos)
-                new[b].extend(keep)
+                keep = state.keep(b, tokens_h[b][: n_h[b]], max_new_tokens, eos, stop)
                 self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
                 if sessions is not None:
                     sessions[b].extend(keep)
-                if stopped or len(new[b]) >= max_new_tokens:
-                    done[b] = True
-            adv = torch.tensor([0 if done[b] else n_h[b] for b in range(B)])
-            T = tokens_t.shape[1]
-            pos = L.unsqueeze(1) + 1 + torch.arange(T)  # history holds L + 1 tokens
-            write = torch.arange(T).unsqueeze(0) < adv.unsqueeze(1)
-            hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens_t, hist[:, S - 1:]))
-            L = L + adv
-            root = torch.where(adv > 0, tokens_t.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
+            state.end_when_all_finished()
+            state.commit(tokens_t, state.advances(n_h))
         self.stats.seconds += time.perf_counter() - start_t
-        return new
+        return state.new
 
 
 def _np(t) -> np.ndarray:
