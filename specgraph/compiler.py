@@ -167,6 +167,64 @@ def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None, hidden=
     return (logits, last_hidden) if hidden else logits
 
 
+def chain_round(step, k: int, slots: int, window, params: SamplingParams, *, use_q: bool = False,
+                spec: LogitsSpec | None = None, want_scores: bool = False, top_n: int = -1,
+                with_features: bool = False, greedy_rows: bool = False):
+    """The chain round around a captured target ``step`` of k + 1 query tokens: the target's logits
+    at the root and the k drafts (:func:`chain_logits`), the logits processors of ``spec``, exact
+    verification, and what the caller asked for besides. The one definition of the round: the
+    compiled objects, the graph cache's packages and the ONNX graphs all run it.
+
+    ``round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, [temperature,] *proc,
+    *kv)``: cols [W] attended slots (or an int width), root [B], L [B], active [B] bool, accept_u
+    [B, k], expo [B, k+1, V] ([B, k+1, 1] when greedy), drafts [B, k], draft_probs [B, k, V]
+    (read when ``use_q``: sampled model drafts), temperature [B] (sampling ``params``: the
+    temperature is an input, the filters of ``params`` are baked in), the processors' state when
+    ``spec``, then the cache, written in place. Returns (tokens [B, k+1], n [B]), then with
+    ``want_scores`` the processed and raw logits [B, k+1, V], with ``top_n`` >= 0 the emitted
+    tokens' log-probabilities and the top-n, and with ``with_features`` the target's final features
+    [B, k+1, H]. ``greedy_rows``: the sampling round in which rows at temperature 0 are verified
+    greedily (returns tokens and n only)."""
+    S = slots
+    hid = with_features
+    n_proc = 0 if spec is None else 2
+
+    def target(cols, root, L, active, drafts, rest):
+        """(processed logits, raw logits, features) of the k+1 fed positions, and the kv tensors."""
+        proc, kv = rest[:n_proc], rest[n_proc:]
+        logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, cols, window, hidden=True)
+        processed = logits if spec is None else process_logits(spec, logits, *proc, L, *chain_paths(drafts))
+        return processed, logits, hidden
+
+    def outputs(verified, processed, raw, hidden, temperature=None):  # heads also read the features [B, k+1, H]
+        extra = (processed, raw) if want_scores else ()
+        if top_n >= 0:
+            x = processed if temperature is None else scaled_logits(processed, temperature)
+            extra = (*extra, *token_logprobs(x, verified[0], top_n, temperature is not None, params.top_k,
+                                             params.top_p, params.min_p))
+        return (*verified, *extra, hidden) if hid else (*verified, *extra)
+    # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V]
+    # (or [B, k+1, 1] when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
+    if params.greedy:
+        def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, *rest):
+            processed, raw, hidden = target(cols, root, L, active, drafts, rest)
+            return outputs(verify_chain_with_noise(processed, None, drafts, None, 0.0), processed, raw, hidden)
+    elif greedy_rows:
+        def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
+            processed, _, _ = target(cols, root, L, active, drafts, rest)
+            return verify_chain_rows(processed, drafts, (accept_u, expo), temperature, params.top_k, params.top_p,
+                                     params.min_p)
+    else:
+        def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
+            processed, raw, hidden = target(cols, root, L, active, drafts, rest)
+            return outputs(verify_chain_with_noise(
+                scaled_logits(processed, temperature), draft_probs if use_q else None, drafts,
+                (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
+            ), processed, raw, hidden, temperature)
+
+    return round_fn
+
+
 def scaled_logits(logits, temperature):
     """logits [B, Q, V] divided by a per-row temperature [B] float32: what ``warp_logits`` does
     first, with the temperature an input instead of a constant, so one sampling graph serves every
@@ -928,57 +986,21 @@ class SpecGraphModel:
 
     def round_function(self, B: int, params: SamplingParams, k: int, extras: "RoundExtras | None" = None,
                        max_batch: int | None = None, greedy_rows: bool = False):
-        """The uncompiled chain round of :meth:`_round_fn`, taking the attended slots [W] (or an int
-        width: a graph for that width only) first. ``max_batch``: its step has a dynamic batch
-        (2 .. max_batch, traced at B): for ``torch.export`` with a batch dimension.
-        ``greedy_rows`` (sampling ``params``, deterministic drafts, no extras): the sampling round
-        in which a row whose temperature is 0 is verified greedily (:func:`verify_chain_rows`), so
-        one graph serves greedy and sampled rows."""
+        """The uncompiled chain round of :meth:`_round_fn` (:func:`chain_round` around this
+        object's captured step), taking the attended slots [W] (or an int width: a graph for that
+        width only) first. ``max_batch``: its step has a dynamic batch (2 .. max_batch, traced at
+        B): for ``torch.export`` with a batch dimension. ``greedy_rows`` (sampling ``params``,
+        deterministic drafts, no extras): the sampling round in which a row whose temperature is 0
+        is verified greedily (:func:`verify_chain_rows`), so one graph serves greedy and sampled
+        rows."""
         if greedy_rows and (params.greedy or self.draft_q or extras is not None or self.learned is not None):
             raise ValueError("greedy_rows= is for sampling rounds of deterministic drafts without extras")
-        S, window = self.slots, self.window
-        use_q = self.draft_q and not params.greedy and k > 0
-        step = self._step(B, k + 1, max_batch=max_batch)
-        hid = self.learned is not None
-        spec = None if extras is None else extras.logits
-        want_scores = extras is not None and extras.scores
-        top_n = -1 if extras is None else extras.logprobs
-        n_proc = 0 if spec is None else 2
-
-        def target(cols, root, L, active, drafts, rest):
-            """(processed logits, raw logits, features) of the k+1 fed positions, and the kv tensors."""
-            proc, kv = rest[:n_proc], rest[n_proc:]
-            logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, cols, window, hidden=True)
-            processed = logits if spec is None else process_logits(spec, logits, *proc, L, *chain_paths(drafts))
-            return processed, logits, hidden
-
-        def outputs(verified, processed, raw, hidden, temperature=None):  # heads also read the features [B, k+1, H]
-            extra = (processed, raw) if want_scores else ()
-            if top_n >= 0:
-                x = processed if temperature is None else scaled_logits(processed, temperature)
-                extra = (*extra, *token_logprobs(x, verified[0], top_n, temperature is not None, params.top_k,
-                                                 params.top_p, params.min_p))
-            return (*verified, *extra, hidden) if hid else (*verified, *extra)
-        # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V]
-        # (or [B, k+1, 1] when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
-        if params.greedy:
-            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, *rest):
-                processed, raw, hidden = target(cols, root, L, active, drafts, rest)
-                return outputs(verify_chain_with_noise(processed, None, drafts, None, 0.0), processed, raw, hidden)
-        elif greedy_rows:
-            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
-                processed, _, _ = target(cols, root, L, active, drafts, rest)
-                return verify_chain_rows(processed, drafts, (accept_u, expo), temperature, params.top_k, params.top_p,
-                                         params.min_p)
-        else:
-            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
-                processed, raw, hidden = target(cols, root, L, active, drafts, rest)
-                return outputs(verify_chain_with_noise(
-                    scaled_logits(processed, temperature), draft_probs if use_q else None, drafts,
-                    (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
-                ), processed, raw, hidden, temperature)
-
-        return round_fn
+        return chain_round(self._step(B, k + 1, max_batch=max_batch), k, self.slots, self.window, params,
+                           use_q=self.draft_q and not params.greedy and k > 0,
+                           spec=None if extras is None else extras.logits,
+                           want_scores=extras is not None and extras.scores,
+                           top_n=-1 if extras is None else extras.logprobs,
+                           with_features=self.learned is not None, greedy_rows=greedy_rows)
 
     def _tree_round_fn(self, B: int, params: SamplingParams, width: int, shape: tuple[int, int, int],
                        extras: "RoundExtras | None" = None):
