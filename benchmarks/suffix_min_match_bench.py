@@ -8,7 +8,7 @@ import json, os, statistics, sys, time
 
 import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import specgraph, specgraph.compiler as C
+import specgraph, specgraph.proposers.suffix as C
 from specgraph.models import load_model
 from specgraph.suffix import SuffixIndex
 from suffix_bench import build_workloads

@@ -25,6 +25,7 @@ import time
 import torch
 
 from specgraph import compiler as C
+from specgraph.proposers import ngram as NG, suffix as SX
 from specgraph.drafters import ngram_propose
 from specgraph.models import load_model
 from specgraph.suffix import AcceptanceCalibration, SuffixIndex
@@ -51,12 +52,12 @@ def replay(kind: str, prompt: list[int], cont: list[int], K: int, session=None, 
         t0 = time.perf_counter()
         drafts = []
         if kind in ("suffix", "suffix|ngram"):
-            drafts = C.suffix_chains([session], k_now, calibrated=sampled and calibrated, **thresholds)[0]
-            k = C.chain_depth(C.rungs_upto(ladder, k_now), len(drafts)) if drafts else 0
+            drafts = SX.suffix_chains([session], k_now, calibrated=sampled and calibrated, **thresholds)[0]
+            k = SX.chain_depth(SX.rungs_upto(ladder, k_now), len(drafts)) if drafts else 0
         if kind == "ngram" or (kind == "suffix|ngram" and not drafts):  # "suffix|ngram": prompt lookup where suffix has nothing
             if session is not None:  # a prompt-lookup round is not the suffix chain's to calibrate on
                 session.drafted_scores = []
-            d, m = ngram_propose(torch.tensor([hist]), torch.tensor([len(hist)]), k_now, C.NGRAM_MAX, C.NGRAM_MIN)
+            d, m = ngram_propose(torch.tensor([hist]), torch.tensor([len(hist)]), k_now, NG.NGRAM_MAX, NG.NGRAM_MIN)
             drafts = d[0].tolist() if int(m[0]) else []
             k = k_now if drafts else 0
         out["host_s"] += time.perf_counter() - t0
@@ -71,7 +72,7 @@ def replay(kind: str, prompt: list[int], cont: list[int], K: int, session=None, 
             session.extend(new)
             out["host_s"] += time.perf_counter() - t0
         if sampled and session is not None and k:
-            C.calibrate_suffix([session], [a + 1], [True])
+            SX.calibrate_suffix([session], [a + 1], [True])
         out["rounds"] += 1
         out["drafted"] += k
         out["accepted"] += a
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
                       f"est. speed vs ngram {rows[-1]['est_speed_vs_ngram']:.3f}", flush=True)
     meta = {"max_new_tokens": args.max_new_tokens, "k": args.k, "slope": args.slope,
             "temperature": args.temperature, "samples": replicates,
-            "suffix_min_score": C.SUFFIX_MIN_SCORE, "suffix_min_match": C.SUFFIX_MIN_MATCH,
+            "suffix_min_score": SX.SUFFIX_MIN_SCORE, "suffix_min_match": SX.SUFFIX_MIN_MATCH,
             "calibration_prior": AcceptanceCalibration.PRIOR}
     write_json(args.out, meta, rows)
     print(f"wrote {args.out}", file=sys.stderr)

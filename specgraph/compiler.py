@@ -24,20 +24,23 @@ from dataclasses import dataclass
 import torch
 
 from specgraph import learned
+from specgraph.callrows import CallRows, advanced_slots
 from specgraph.capture import (Step, UnsupportedModel, capture_step, check_supported, full_width, layer_windows,
                                new_kv_cache, uses_alibi)
-from specgraph.drafters import ChainDrafter, ngram_propose, ngram_tree_propose
 from specgraph.eager import GenerationStats as Stats
 from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
 from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set, with_logits
-from specgraph.suffix import SuffixIndex
 from specgraph.generation import (GenerationRequest, ScoreLog, StepStreamer, UnsupportedSetting, inferred_attention_mask,
                                   resolve, stop_at)
 from specgraph.passes import attend_prefix_pass, run_step_pipeline
+from specgraph.proposers import (CallStart, ChainDrafter, ChainProposal, RoundOutcome, RoundView, SuffixIndex,
+                                 make_proposer)
+from specgraph.proposers.ngram import NGRAM_TREE_MATCHES
+from specgraph.proposers.suffix import SUFFIX_CHILDREN, SUFFIX_TREE_SIZES
 from specgraph.processors import LogitsSpec, chain_paths, process_logits, tree_paths
 from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
 from specgraph.templates import memoize_kernel_templates
-from specgraph.verify import (chain_noise, exponential_noise, tree_noise, verify_chain_rows, verify_chain_with_noise,
+from specgraph.verify import (chain_noise, tree_noise, verify_chain_rows, verify_chain_with_noise,
                               verify_tree_with_noise)
 from specgraph.warping import SamplingParams, normalize_filters, token_logprobs, warped_probs
 
@@ -164,23 +167,62 @@ def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None, hidden=
     return (logits, last_hidden) if hidden else logits
 
 
-def advanced_slots(L, tokens, adv):
-    """Where a round's emitted tokens go in the history: pos [B, T] = L + 1 + j (the history holds
-    L + 1 tokens) and write [B, T] bool, j < adv (the tokens a row keeps). L [B], tokens [B, T],
-    adv [B] long (0 for rows not advanced)."""
-    step = torch.arange(tokens.shape[1], device=tokens.device)
-    return L.unsqueeze(1) + 1 + step, step.unsqueeze(0) < adv.unsqueeze(1)
+def chain_round(step, k: int, slots: int, window, params: SamplingParams, *, use_q: bool = False,
+                spec: LogitsSpec | None = None, want_scores: bool = False, top_n: int = -1,
+                with_features: bool = False, greedy_rows: bool = False):
+    """The chain round around a captured target ``step`` of k + 1 query tokens: the target's logits
+    at the root and the k drafts (:func:`chain_logits`), the logits processors of ``spec``, exact
+    verification, and what the caller asked for besides. The one definition of the round: the
+    compiled objects, the graph cache's packages and the ONNX graphs all run it.
 
+    ``round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, [temperature,] *proc,
+    *kv)``: cols [W] attended slots (or an int width), root [B], L [B], active [B] bool, accept_u
+    [B, k], expo [B, k+1, V] ([B, k+1, 1] when greedy), drafts [B, k], draft_probs [B, k, V]
+    (read when ``use_q``: sampled model drafts), temperature [B] (sampling ``params``: the
+    temperature is an input, the filters of ``params`` are baked in), the processors' state when
+    ``spec``, then the cache, written in place. Returns (tokens [B, k+1], n [B]), then with
+    ``want_scores`` the processed and raw logits [B, k+1, V], with ``top_n`` >= 0 the emitted
+    tokens' log-probabilities and the top-n, and with ``with_features`` the target's final features
+    [B, k+1, H]. ``greedy_rows``: the sampling round in which rows at temperature 0 are verified
+    greedily (returns tokens and n only)."""
+    S = slots
+    hid = with_features
+    n_proc = 0 if spec is None else 2
 
-def advance_rows(hist, L, root, tokens, adv):
-    """Commit ``adv[b]`` of row b's emitted tokens: append them to the history hist [B, S] (in
-    place; slots past a row's length are its scratch) and return the new (L [B], root [B]). A
-    rolled-back draft's cache slot is simply not counted: the next round overwrites it."""
-    S = hist.shape[1]
-    pos, write = advanced_slots(L, tokens, adv)
-    hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens, hist[:, S - 1:]))
-    root = torch.where(adv > 0, tokens.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
-    return L + adv, root
+    def target(cols, root, L, active, drafts, rest):
+        """(processed logits, raw logits, features) of the k+1 fed positions, and the kv tensors."""
+        proc, kv = rest[:n_proc], rest[n_proc:]
+        logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, cols, window, hidden=True)
+        processed = logits if spec is None else process_logits(spec, logits, *proc, L, *chain_paths(drafts))
+        return processed, logits, hidden
+
+    def outputs(verified, processed, raw, hidden, temperature=None):  # heads also read the features [B, k+1, H]
+        extra = (processed, raw) if want_scores else ()
+        if top_n >= 0:
+            x = processed if temperature is None else scaled_logits(processed, temperature)
+            extra = (*extra, *token_logprobs(x, verified[0], top_n, temperature is not None, params.top_k,
+                                             params.top_p, params.min_p))
+        return (*verified, *extra, hidden) if hid else (*verified, *extra)
+    # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V]
+    # (or [B, k+1, 1] when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
+    if params.greedy:
+        def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, *rest):
+            processed, raw, hidden = target(cols, root, L, active, drafts, rest)
+            return outputs(verify_chain_with_noise(processed, None, drafts, None, 0.0), processed, raw, hidden)
+    elif greedy_rows:
+        def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
+            processed, _, _ = target(cols, root, L, active, drafts, rest)
+            return verify_chain_rows(processed, drafts, (accept_u, expo), temperature, params.top_k, params.top_p,
+                                     params.min_p)
+    else:
+        def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
+            processed, raw, hidden = target(cols, root, L, active, drafts, rest)
+            return outputs(verify_chain_with_noise(
+                scaled_logits(processed, temperature), draft_probs if use_q else None, drafts,
+                (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
+            ), processed, raw, hidden, temperature)
+
+    return round_fn
 
 
 def scaled_logits(logits, temperature):
@@ -267,24 +309,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _race_noise(B, V, device, generator, greedy):
-    if greedy:
-        return torch.ones(B, 1, device=device)
-    return exponential_noise((B, V), device, generator)
-
-
-NGRAM_MAX, NGRAM_MIN = 3, 2  # prompt lookup: longest / shortest suffix n-gram to match
 NGRAM_START_K = 4  # prompt lookup chains start at this depth and go up to K after a fully accepted round
-NGRAM_TREE_MATCHES = 8  # prompt lookup trees merge the continuations of this many latest matches
-SUFFIX_TREE_SIZES = (4, 16)  # drafted nodes of the compiled suffix-tree shapes; the smallest that fits is used
-SUFFIX_CHILDREN = 4  # children per node in suffix trees
-# Suffix drafts keep only nodes whose estimated path probability (count / root count) is at least
-# this: on a CPU a drafted token costs ~10% of a plain step, so a node below that loses on average.
-SUFFIX_MIN_SCORE = 0.1
-# ... and only after a match of at least this many context tokens: a one-token match speculates where
-# prompt lookup (which needs a 2-gram) takes a plain step, and loses (multi-turn chat, SmolLM2 on a
-# 2-core CPU: benchmarks/suffix_min_match_bench.py)
-SUFFIX_MIN_MATCH = 2
 MIN_ATTEND = 256  # overridable for tests
 # past MIN_ATTEND, CPU rounds attend the live slots rounded up to this step: a round's attention
 # reads every attended slot of every row, and one dynamic-width graph serves every width
@@ -323,91 +348,6 @@ def default_ladder(k: int) -> list[int]:
     """The chain depths model-free drafters move between by default: min(k, NGRAM_START_K) and k."""
     return sorted({min(k, NGRAM_START_K), k})
 
-
-def rungs_upto(ladder: list[int], k: int) -> list[int]:
-    """The ladder's depths up to ``k``, and ``k``: the graphs a round capped at depth ``k`` may use."""
-    return sorted({d for d in ladder if d <= k} | {k})
-
-
-def suffix_chains(sessions, k: int, min_score: float = SUFFIX_MIN_SCORE, min_match: int = SUFFIX_MIN_MATCH,
-                  calibrated: bool = False) -> list[list[int]]:
-    """Per row (a :class:`SuffixSession` or None), the suffix tree's best path as a chain of at most
-    k tokens, cut where its estimated probability drops below ``min_score``; nothing when the
-    matched context suffix is shorter than ``min_match`` tokens. ``calibrated`` (sampled rounds):
-    the threshold is divided by the session's observed acceptance scale
-    (:class:`specgraph.suffix.AcceptanceCalibration`). Each session keeps its chain's node scores
-    in ``drafted_scores`` for :func:`calibrate_suffix`."""
-    out = []
-    for s in sessions:
-        p = None if s is None else s.propose(k, 1, depth_limit=k)
-        if p is None or p.match_len < min_match:
-            chain, scores = [], []
-        else:
-            chain, scores = p.best_path(k, min_score / s.calibration.scale if calibrated else min_score)
-        if s is not None:
-            s.drafted_scores = scores
-        out.append(chain)
-    return out
-
-
-def calibrate_suffix(sessions, n_emitted: list[int], live: list[bool]) -> None:
-    """After a sampled suffix-chain round: each live row's calibration sees its drafted chain's
-    scores and how many of those drafts were accepted (``n_emitted`` - 1; padding never counts)."""
-    for s, n, a in zip(sessions, n_emitted, live):
-        if a and s is not None and s.drafted_scores:
-            s.calibration.observe(s.drafted_scores, n - 1)
-
-
-def chain_depth(ladder: list[int], need: int) -> int:
-    """The compiled chain depth that holds ``need`` drafts: the smallest rung >= need (else the top)."""
-    return next((d for d in ladder if d >= need), ladder[-1])
-
-
-def pack_suffix_trees(sessions, B: int, k: int, active: list[bool], min_score: float = SUFFIX_MIN_SCORE,
-                      min_match: int = SUFFIX_MIN_MATCH):
-    """Suffix-decoding trees, one per row, pruned to nodes of estimated path probability >=
-    ``min_score`` and packed into the smallest compiled shape (``SUFFIX_TREE_SIZES``) that holds
-    the largest: (tokens [B, N], parents [B, N] on the CPU, shape (N, C, D), drafted per row), or
-    None when no live row drafted. Padding nodes hang under the root and repeat its first child's
-    token: a repeated sibling is never accepted (greedy takes the first, recursive rejection zeroed
-    that token), so padding costs compute, never exactness."""
-    sessions = list(sessions) + [None] * (B - len(sessions))
-    props = [s.propose(max(SUFFIX_TREE_SIZES), SUFFIX_CHILDREN, depth_limit=k) if s is not None else None
-             for s in sessions]
-    # nodes come in non-increasing count order (a child never outcounts its parent): a prefix
-    # of the node list is a tree
-    keep = [0 if p is None or p.match_len < min_match else
-            next((i for i, sc in enumerate(p.scores) if sc < min_score), len(p.scores)) for p in props]
-    drafted = [max(0, m - 1) for m in keep]
-    if not any(d > 0 for d, a in zip(drafted, active) if a):
-        return None
-    n = next(size for size in SUFFIX_TREE_SIZES if size >= max(drafted))
-    N, C = n + 1, SUFFIX_CHILDREN
-    tokens = torch.zeros(B, N, dtype=torch.long)
-    parents = torch.zeros(B, N, dtype=torch.long)
-    parents[:, 0] = -1
-    for b, (p, m) in enumerate(zip(props, keep)):
-        if m <= 1:
-            continue
-        tokens[b, 1:m] = torch.tensor(p.tokens[1:m])
-        parents[b, 1:m] = torch.tensor(p.parents[1:m])
-        tokens[b, m:] = p.tokens[1]
-    return tokens, parents, (N, C, min(k, n)), drafted
-
-
-def suffix_chain_drafts(chains: list[list[int]], ladder: list[int], root, active: list[bool]):
-    """Suffix chains (:func:`suffix_chains`) as one round's drafts: (k, drafts [B, k]) in the
-    smallest ladder depth that holds the longest live chain, or None when no live row has one (then
-    a plain step). Short rows are padded with repeats of the root (just rejected). root [B] long."""
-    live = [len(c) for c, a in zip(chains, active) if a]
-    if not any(live):
-        return None
-    k = chain_depth(ladder, max(live))
-    drafts = root.unsqueeze(1).repeat(1, k).cpu()
-    for b, c in enumerate(chains):
-        if c:
-            drafts[b, : len(c)] = torch.tensor(c[:k])
-    return k, drafts.to(root.device)
 
 @contextlib.contextmanager
 def one_call(obj):
@@ -507,20 +447,6 @@ def attend_width(need: int, slots: int, min_attend: int | None = None, step: int
     return w if w < slots else slots
 
 
-def propose_ngram_tree(spec: TreeSpec, rank: list[int], hist, L, active):
-    """Prompt-lookup tries on the static tree ``spec`` (node ranks ``rank``): (tree_tokens [B, N],
-    parents [B, N], shape (N, C, D), drafted nodes per row), or None when no live row matched (the
-    round is then a plain step). hist [B, S] long holding L + 1 tokens per row, L [B], active [B]
-    bool. The host-side proposal of SpecGraphModel and the ONNX runtime (specgraph.onnx)."""
-    B, N = hist.shape[0], spec.num_nodes
-    tokens, matched = ngram_tree_propose(
-        hist, L + 1, spec.parents.tolist(), rank, NGRAM_MAX, NGRAM_MIN, NGRAM_TREE_MATCHES)
-    if not bool((matched * active).any()):
-        return None
-    parents = spec.parents.to(hist.device).expand(B, N)
-    return tokens, parents, (N, spec.children.shape[1], spec.max_depth), [N - 1] * B
-
-
 # tree_nodes="auto" warns when its best EAGLE tree is predicted less than this much faster than a
 # plain step (the prediction leaves out the loop's host time, which speculation does not shrink)
 TREE_GAIN_MARGIN = 0.05
@@ -605,7 +531,6 @@ class SpecGraphModel:
         model_free = draft in ("ngram", "suffix", "custom")
         self.k_ladder = default_ladder(self.k) if model_free else [self.k]
         self._lock = threading.RLock()  # one generate at a time per object (shared KV caches)
-        self._sessions = None
         # chooses each round's chain depth when set (num_speculative_tokens="auto": specgraph.adaptive)
         self.policy = None
         self.backend = backend
@@ -620,7 +545,7 @@ class SpecGraphModel:
         self.max_seq_len = max_seq_len
         self.slots = max_seq_len + 1  # + scratch slot
         self.stats = Stats()
-        self._draft_processors = (None, ())  # (LogitsSpec, state) of the running call
+        self.draft_processors = (None, ())  # (LogitsSpec, state) of the running call
         self.fallback_reason = None
         try:
             check_supported(model)
@@ -656,6 +581,7 @@ class SpecGraphModel:
             self.span = self.learned.span
         if self.fallback_reason is None and self.full_width:
             self._check_eager_attention(draft_model)
+        self.proposer = make_proposer(self)  # the drafter behind the loop's one interface (specgraph.proposers)
 
     def _check_eager_attention(self, draft_model) -> None:
         """Eager attention is served when the step's mask reaches every layer's scores (the pass
@@ -809,15 +735,15 @@ class SpecGraphModel:
         args, _ = example_inputs(self, g, vocab)  # with the processors' state when the round has processors
         extras = None if g.logits is None else RoundExtras(g.logits)
         if g.kind == "round":
-            self._round_fn(g.batch, params, width, g.depth, extras)(*args, *self._cache(g.batch))
+            self._round_fn(g.batch, params, width, g.depth, extras)(*args, *self.cache(g.batch))
         elif g.kind == "tree":
-            self._tree_round_fn(g.batch, params, width, g.tree, extras)(*args, *self._cache(g.batch))
+            self._tree_round_fn(g.batch, params, width, g.tree, extras)(*args, *self.cache(g.batch))
         elif g.kind == "draft":
-            self._draft_fn(g.batch, g.depth, params, width)(*args, *self._cache(g.batch, "draft"))
+            self.draft_graph(g.batch, g.depth, params, width)(*args, *self.cache(g.batch, "draft"))
         elif g.kind == "draft_tree":
-            self._draft_tree_fn(g.batch, g.depth, width)(*args, *self._cache(g.batch, "draft"))
+            self.draft_tree_graph(g.batch, g.depth, width)(*args, *self.cache(g.batch, "draft"))
         elif g.kind == "compact":
-            self._compact_fn(g.batch, "draft")(*args, *self._cache(g.batch, "draft"))
+            self._compact_fn(g.batch, "draft")(*args, *self.cache(g.batch, "draft"))
         else:
             raise ValueError(f"graph kind {g.kind!r} is not built by warmup")
 
@@ -1016,7 +942,7 @@ class SpecGraphModel:
     def kv_cache(self, B: int) -> list[torch.Tensor]:
         """The target's KV cache for batch bucket ``B``: 2 x layers tensors [B, kv heads, slots,
         head dim]; slot ``slots - 1`` is the scratch slot inactive rows write to."""
-        return self._cache(B)
+        return self.cache(B)
 
     def round_width(self, need: int) -> int:
         """The attended width of a round whose live rows need ``need`` slots."""
@@ -1060,57 +986,21 @@ class SpecGraphModel:
 
     def round_function(self, B: int, params: SamplingParams, k: int, extras: "RoundExtras | None" = None,
                        max_batch: int | None = None, greedy_rows: bool = False):
-        """The uncompiled chain round of :meth:`_round_fn`, taking the attended slots [W] (or an int
-        width: a graph for that width only) first. ``max_batch``: its step has a dynamic batch
-        (2 .. max_batch, traced at B): for ``torch.export`` with a batch dimension.
-        ``greedy_rows`` (sampling ``params``, deterministic drafts, no extras): the sampling round
-        in which a row whose temperature is 0 is verified greedily (:func:`verify_chain_rows`), so
-        one graph serves greedy and sampled rows."""
+        """The uncompiled chain round of :meth:`_round_fn` (:func:`chain_round` around this
+        object's captured step), taking the attended slots [W] (or an int width: a graph for that
+        width only) first. ``max_batch``: its step has a dynamic batch (2 .. max_batch, traced at
+        B): for ``torch.export`` with a batch dimension. ``greedy_rows`` (sampling ``params``,
+        deterministic drafts, no extras): the sampling round in which a row whose temperature is 0
+        is verified greedily (:func:`verify_chain_rows`), so one graph serves greedy and sampled
+        rows."""
         if greedy_rows and (params.greedy or self.draft_q or extras is not None or self.learned is not None):
             raise ValueError("greedy_rows= is for sampling rounds of deterministic drafts without extras")
-        S, window = self.slots, self.window
-        use_q = self.draft_q and not params.greedy and k > 0
-        step = self._step(B, k + 1, max_batch=max_batch)
-        hid = self.learned is not None
-        spec = None if extras is None else extras.logits
-        want_scores = extras is not None and extras.scores
-        top_n = -1 if extras is None else extras.logprobs
-        n_proc = 0 if spec is None else 2
-
-        def target(cols, root, L, active, drafts, rest):
-            """(processed logits, raw logits, features) of the k+1 fed positions, and the kv tensors."""
-            proc, kv = rest[:n_proc], rest[n_proc:]
-            logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, cols, window, hidden=True)
-            processed = logits if spec is None else process_logits(spec, logits, *proc, L, *chain_paths(drafts))
-            return processed, logits, hidden
-
-        def outputs(verified, processed, raw, hidden, temperature=None):  # heads also read the features [B, k+1, H]
-            extra = (processed, raw) if want_scores else ()
-            if top_n >= 0:
-                x = processed if temperature is None else scaled_logits(processed, temperature)
-                extra = (*extra, *token_logprobs(x, verified[0], top_n, temperature is not None, params.top_k,
-                                                 params.top_p, params.min_p))
-            return (*verified, *extra, hidden) if hid else (*verified, *extra)
-        # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, k], expo [B, k+1, V]
-        # (or [B, k+1, 1] when greedy), drafts [B, k], draft_probs [B, k, V] (sampled model drafts) or unused
-        if params.greedy:
-            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, *rest):
-                processed, raw, hidden = target(cols, root, L, active, drafts, rest)
-                return outputs(verify_chain_with_noise(processed, None, drafts, None, 0.0), processed, raw, hidden)
-        elif greedy_rows:
-            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
-                processed, _, _ = target(cols, root, L, active, drafts, rest)
-                return verify_chain_rows(processed, drafts, (accept_u, expo), temperature, params.top_k, params.top_p,
-                                         params.min_p)
-        else:
-            def round_fn(cols, root, L, active, accept_u, expo, drafts, draft_probs, temperature, *rest):
-                processed, raw, hidden = target(cols, root, L, active, drafts, rest)
-                return outputs(verify_chain_with_noise(
-                    scaled_logits(processed, temperature), draft_probs if use_q else None, drafts,
-                    (accept_u, expo), 1.0, params.top_k, params.top_p, params.min_p,
-                ), processed, raw, hidden, temperature)
-
-        return round_fn
+        return chain_round(self._step(B, k + 1, max_batch=max_batch), k, self.slots, self.window, params,
+                           use_q=self.draft_q and not params.greedy and k > 0,
+                           spec=None if extras is None else extras.logits,
+                           want_scores=extras is not None and extras.scores,
+                           top_n=-1 if extras is None else extras.logprobs,
+                           with_features=self.learned is not None, greedy_rows=greedy_rows)
 
     def _tree_round_fn(self, B: int, params: SamplingParams, width: int, shape: tuple[int, int, int],
                        extras: "RoundExtras | None" = None):
@@ -1190,7 +1080,7 @@ class SpecGraphModel:
             self._fns[key] = self._compiled("compact", compact_fn, weights=())
         return self._fns[key]
 
-    def _draft_tree_fn(self, B: int, d: int, width: int):
+    def draft_tree_graph(self, B: int, d: int, width: int):
         """Draft-model expansion of tree level d: feed the nodes at depth d that have children
         (at d = 0 also the previous token, as the chain's first draft step does), return the
         draft's top-R tokens at each fed node [B, Q_d, R]. Children are picked deterministically
@@ -1199,7 +1089,7 @@ class SpecGraphModel:
 
     def _build_draft_tree(self, B: int, d: int):
         S, window, spec = self.slots, self.draft_window, self.tree
-        fed = self._tree_levels[d]
+        fed = self.tree_levels[d]
         R = max(self.tree_rank) + 1
         Q = len(fed) + (1 if d == 0 else 0)
         step = self._step(B, Q, which="draft")
@@ -1233,14 +1123,14 @@ class SpecGraphModel:
         return self._compiled("draft_tree", draft_tree_fn, weights=(self.draft_model,))
 
     @property
-    def _tree_levels(self) -> list[list[int]]:
+    def tree_levels(self) -> list[list[int]]:
         """Per depth d < D, the nodes at depth d that have children (what the draft must feed)."""
         spec = self.tree
         has_kids = (spec.children[:, 0] >= 0).tolist()
         depth = spec.depth.tolist()
         return [[i for i in range(spec.num_nodes) if depth[i] == d and has_kids[i]] for d in range(spec.max_depth)]
 
-    def _cache(self, B: int, which: str = "target"):
+    def cache(self, B: int, which: str = "target"):
         """The KV cache of batch bucket B. On the CPU every bucket is a view of the first B rows of
         the largest bucket's cache (one allocation: the loop prefills a row before it reads it);
         on CUDA each bucket has its own tensors, at addresses fixed for its recorded graphs."""
@@ -1251,13 +1141,13 @@ class SpecGraphModel:
             if on_cuda or B >= self.max_batch_size:
                 self._kv[key] = new_kv_cache(model, B, self.slots)
             else:
-                self._kv[key] = [t[:B] for t in self._cache(self.max_batch_size, which)]
+                self._kv[key] = [t[:B] for t in self.cache(self.max_batch_size, which)]
             if on_cuda and self.backend == "inductor":
                 for t in self._kv[key]:  # fixed addresses: mutated inside recorded CUDA graphs
                     torch._dynamo.mark_static_address(t)
         return self._kv[key]
 
-    def _draft_fn(self, B: int, Q: int, params: SamplingParams, width: int, spec: LogitsSpec | None = None):
+    def draft_graph(self, B: int, Q: int, params: SamplingParams, width: int, spec: LogitsSpec | None = None):
         """One draft-model step: feed Q tokens ending at position ``last``, propose the next token.
 
         The first step of a round feeds (previous token, root) so the draft cache catches up on the
@@ -1291,99 +1181,8 @@ class SpecGraphModel:
 
         return self._compiled("draft", draft_fn, weights=(self.draft_model,))
 
-    def _propose(self, B, params, width, hist, L, root, active, generator, V, k):
-        """This round's chain drafts: (k, drafts [B, k], draft_probs [B, k, V] or None).
-
-        Prompt lookup only speculates when some live row matched an n-gram of at least
-        ``NGRAM_MIN`` tokens; otherwise the round is a plain step (k = 0), so text without
-        repetition costs what plain decoding costs.
-        """
-        if k == 0:  # a plain step (what "auto" chooses when speculation would not pay)
-            return 0, hist[:, :0], None
-        if self.learned is not None:
-            return (self.k, *self.learned.propose_chain(B, params, generator, L, root, active))
-        if self.draft == "model":
-            k = k if self.policy is not None else self.k
-            return (k, *self._propose_with_draft_model(B, params, width, hist, L, root, active, generator, V, k))
-        if self.draft == "custom":
-            drafts = self.chain_drafter.propose(hist, L, k, active)
-            if drafts is not None:
-                return k, drafts, None
-        if self.draft == "ngram":
-            drafts, matched = ngram_propose(hist, L + 1, k, NGRAM_MAX, NGRAM_MIN)
-            if bool((matched * active).any()):  # host sync: which graph runs depends on it
-                return k, drafts, None
-        if self.draft == "suffix":  # the best path of the suffix tree as a chain, in the smallest depth that holds it
-            # the round's depth k (the ladder's current rung, or the policy's choice) caps the chain: a
-            # suffix seen once scores 1.0 all along, so its length alone would always ask for the
-            # deepest graph; the ladder's depths below k hold shorter chains
-            chains = suffix_chains(self._sessions, k, calibrated=not params.greedy)
-            out = suffix_chain_drafts(chains, rungs_upto(self.k_ladder, k), root, active.tolist())
-            if out is not None:
-                return (*out, None)
-        return 0, hist[:, :0], None
-
-    def _propose_tree(self, B, width, hist, L, root, active):
-        """This round's tree: (tree_tokens [B, N], parents [B, N], shape (N, C, D), drafted nodes
-        per row), or None when the model-free drafter matched nothing (then a plain step)."""
-        if self.learned is not None:
-            return self.learned.propose_tree(B, L, root, active)
-        if self.dynamic_tree:
-            return self._propose_suffix_tree(B, root, active)
-        if self.draft == "ngram":
-            return propose_ngram_tree(self.tree, self.tree_rank, hist, L, active)
-        spec = self.tree
-        N = spec.num_nodes
-        shape = (N, spec.children.shape[1], spec.max_depth)
-        device = hist.device
-        parents = spec.parents.to(device).expand(B, N)
-        kv = self._cache(B, "draft")
-        prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
-        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
-        tokens[:, 0] = root
-        kids = spec.children.tolist()
-        for d, fed in enumerate(self._tree_levels):
-            top = self._draft_tree_fn(B, d, width)(tokens, prev, L, active, *kv)  # [B, Qd, R]
-            for q, node in enumerate(fed):
-                for c in kids[node]:
-                    if c >= 0:
-                        tokens[:, c] = top[:, q, self.tree_rank[c]]
-        return tokens, parents, shape, [N - 1] * B
-
-    def _propose_suffix_tree(self, B, root, active):
-        """Suffix-decoding trees (host side: the suffix index lives in Python), see
-        :func:`pack_suffix_trees`."""
-        packed = pack_suffix_trees(self._sessions, B, self.k, active.tolist())
-        if packed is None:
-            return None
-        tokens, parents, shape, drafted = packed
-        return tokens.to(root.device), parents.to(root.device), shape, drafted
-
     def _next_k(self, k, n_live) -> int:
         return next_k(self.k_ladder, self._k_now, k, n_live)
-
-    def _propose_with_draft_model(self, B, params, width, hist, L, root, active, generator, V, k):
-        """k draft-model steps; returns drafts [B, k] and the q rows they were drawn from [B, k, V]."""
-        device = hist.device
-        kv = self._cache(B, "draft")
-        prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
-        tokens, last = torch.stack([prev, root], dim=1), L
-        drafts, probs = [], []
-        spec, proc = self._draft_processors
-        path = torch.zeros(B, 1, self.k, dtype=torch.long, device=device)  # this round's drafts so far
-        for j in range(k):
-            expo = _race_noise(B, V, device, generator, params.greedy)
-            fn = self._draft_fn(B, 2 if j == 0 else 1, params, width, spec)
-            extra = () if spec is None else (*proc, path, torch.full((B, 1), j, dtype=torch.long, device=device))
-            tok, q = fn(tokens, last, active, expo, *extra, *kv)
-            drafts.append(tok)
-            probs.append(q)
-            if spec is not None:
-                path = path.clone()
-                path[:, 0, j] = tok
-            tokens, last = tok.unsqueeze(1), last + 1
-        drafts = torch.stack(drafts, dim=1)
-        return drafts, (None if params.greedy else torch.stack(probs, dim=1))
 
     # ------------------------------------------------------------------------------------------
     # generation
@@ -1438,16 +1237,9 @@ class SpecGraphModel:
             self.stats = Stats()  # per call
             if self.fallback_reason is not None:
                 new, scores = self._generate_eager(rows, req, generator, stream), None
-            elif self.draft == "suffix":
-                self._sessions = [self.suffix_index.start(r) for r in rows]
-                try:
-                    new, scores = self._generate_compiled(rows, req, generator, stream, input_ids, attention_mask)
-                finally:
-                    self._sessions = None
-                for r, n in zip(rows, new):  # later requests may repeat this one
-                    self.suffix_index.add_document(r + n)
             else:
                 new, scores = self._generate_compiled(rows, req, generator, stream, input_ids, attention_mask)
+                self.proposer.finish(rows, new)
         sequences = assemble_output(input_ids, new, req.pad_token_id)
         return sequences if not req.return_dict else scores.output(sequences, req)
 
@@ -1503,55 +1295,48 @@ class SpecGraphModel:
         n_rows = len(rows)
         B = _bucket(n_rows, self.max_batch_size)
         S = self.slots
-        kv = self._cache(B)
+        kv = self.cache(B)
         start = time.perf_counter()
-        # state: committed length L (cache), root token, history (for n-gram lookup)
-        hist = torch.zeros(B, S, dtype=torch.long)
-        lens = [len(r) for r in rows] + [1] * (B - n_rows)
-        for b, r in enumerate(rows):
-            hist[b, : len(r)] = torch.tensor(r)
-        hist = hist.to(device)
         # the logits processors' view of each row (padding included), and what the host checks stop on
         proc = () if req.logits is None else self._processor_state(input_ids, attention_mask, rows, req, B, device)
-        self._draft_processors = (req.logits, proc)  # a draft model's proposals go through them too
+        self.draft_processors = (req.logits, proc)  # a draft model's proposals go through them too
         padded = input_ids.tolist()  # the rows as stopping criteria see them
         score_log = ScoreLog(n_rows, req) if req.return_dict else None
         extras = RoundExtras(req.logits, req.return_dict and (req.output_scores or req.output_logits), req.logprobs)
-        prefilled = self._prefill(B, rows, kv, device, "target")
-        if self.learned is not None:  # the head's first feed (and its cache) from the prompt's features
-            self.learned.start(B, rows, None if prefilled is None else prefilled[1], device)
-        if self.draft == "model":
-            self._prefill(B, rows, self._cache(B, "draft"), device, "draft")
-        L = torch.tensor([n - 1 for n in lens], device=device)
-        root = hist.gather(1, (L).unsqueeze(1)).squeeze(1)
-        new = [[] for _ in range(n_rows)]
-        done = [False] * n_rows + [True] * (B - n_rows)  # rows no longer decoded
-        finished, ended_at = [False] * n_rows, [0] * n_rows  # rows that have ended, and their length then
+        prefilled = self.prefill_rows(B, rows, kv, device, "target")
+        # a head drafter's first feed (and its cache) comes from the prompt's features
+        self.proposer.start(CallStart(rows, B, device, None if prefilled is None else prefilled[1]))
+        state = CallRows.start(rows, B, S, device)
+
+        def stop(b, emitted, room):  # the request's stops, on the row as stopping criteria see it
+            return stop_at(emitted, room, eos, req.stopping, padded[b] + state.new[b], start, req.max_time)
         V = self.vocab
-        L_host = [n - 1 for n in lens]
         self._k_now = self.k_ladder[0]
-        if self.draft == "custom":
-            self.chain_drafter.start(rows, B, device)
         if self.policy is not None:
             self.policy.start(self, rows, B, device)
         temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
-        while not all(done):
-            need = max(L_host[b] for b in range(B) if not done[b]) + self.span
-            width = attend_width(need, S, self.min_attend, self.width_step)
-            active = torch.tensor([not d for d in done], device=device)
-            tree = None if self.tree is None else self._propose_tree(B, width, hist, L, root, active)
+        while not all(state.done):
+            width = attend_width(state.need(self.span), S, self.min_attend, self.width_step)
+            live = state.live
+            view = RoundView(B, params, width, state.hist, state.L, state.root, torch.tensor(live, device=device),
+                             generator, V)
+            hist, L, root, active = view.hist, view.L, view.root, view.active
+            done = state.done
+            tree = None if self.tree is None else self.proposer.propose_tree(view)
             if tree is not None:
                 tokens, n, *rest = self._run_tree_round(B, params, width, tree, root, L, active, generator, V, kv,
                                                         proc, extras)
-                k, depth = tree[3], tree[2][2]  # drafted nodes per row, depth
+                k, depth = tree.drafted, tree.shape[2]  # drafted nodes per row, depth
             else:
-                if self.tree is None:
+                chain = None
+                if self.tree is None:  # (tree mode: the drafter found nothing, a plain step)
                     if self.policy is not None:  # the depth of this round, for the whole batch
-                        left = [max_new_tokens - len(new[b]) for b in range(n_rows)]
-                        self._k_now = self.policy.choose(done, L_host, hist, left)
-                    k, drafts, draft_probs = self._propose(B, params, width, hist, L, root, active, generator, V, self._k_now)
-                else:  # tree mode and prompt lookup found nothing: a plain step
-                    k, drafts, draft_probs = 0, hist[:, :0], None
+                        left = [max_new_tokens - len(state.new[b]) for b in range(n_rows)]
+                        self._k_now = self.policy.choose(done, state.L_host, hist, left)
+                    if self._k_now:  # depth 0: a plain step (what "auto" chooses when speculation would not pay)
+                        chain = self.proposer.propose(view, self._k_now)
+                chain = chain or ChainProposal(0, hist[:, :0])
+                k, drafts, draft_probs = chain.k, chain.drafts, chain.probs
                 if params.greedy:
                     accept_u = torch.zeros(B, k, device=device)
                     expo = torch.ones(B, k + 1, 1, device=device)
@@ -1563,25 +1348,18 @@ class SpecGraphModel:
                 depth = k
             scores, rest = (rest[:2], rest[2:]) if extras.scores else (None, rest)
             logprobs, rest = (rest[:3], rest[3:]) if extras.logprobs >= 0 else (None, rest)
-            if self.learned is not None:  # the next round's feed; it starts at this round's L
-                self.learned.observe(L, tokens, n, rest[0])
+            hidden = rest[0] if self.learned is not None else None  # the head's next feed
             tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
             self.stats.rounds += 1
             if self.policy is not None:  # per-row acceptance estimates, from the counts just read
-                self.policy.observe(k, n_h, done, L_host)
+                self.policy.observe(k, n_h, done, state.L_host)
             elif not isinstance(k, list):
                 self._k_now = self._next_k(k, [n_h[b] for b in range(n_rows) if not done[b]])
-            if self.draft == "suffix" and self.tree is None and not params.greedy and k:
-                calibrate_suffix(self._sessions, n_h, [not d for d in done])
+            kept = [[] for _ in range(B)]
             for b in range(n_rows):
                 if done[b]:
                     continue
-                if finished[b]:  # ended by a criterion without an EOS: transformers keeps decoding it (it pads
-                    keep, stopped = tokens_h[b][: n_h[b]][: max_new_tokens - len(new[b])], False  # only with EOS)
-                else:
-                    keep, stopped = stop_at(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos, req.stopping,
-                                            padded[b] + new[b], start, req.max_time)
-                new[b].extend(keep)
+                kept[b] = keep = state.keep(b, tokens_h[b][: n_h[b]], max_new_tokens, eos, stop)
                 if score_log is not None and keep:
                     n_keep = len(keep)
                     if scores is not None:
@@ -1589,36 +1367,25 @@ class SpecGraphModel:
                     if logprobs is not None:
                         score_log.add_logprobs(b, *(t[b, :n_keep].cpu() for t in logprobs))
                 self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
-                if self._sessions is not None:
-                    self._sessions[b].extend(keep)
-                if (stopped or len(new[b]) >= max_new_tokens) and not finished[b]:
-                    finished[b], ended_at[b] = True, len(new[b])
-                if (stopped and eos) or len(new[b]) >= max_new_tokens:
-                    done[b] = True
-            if all(finished[:n_rows]):  # every row has ended: so has the call (rows kept decoding stop here)
-                steps = max(ended_at[:n_rows])
-                new = [n[:steps] for n in new]
-                done = [True] * B
-            elif stream is not None:
-                stream.advance(new, done)
-            # advance device state for the rows still running (rolled-back slots are just not counted)
-            adv_h = [0 if done[b] else n_h[b] for b in range(B)]
-            L_host = [L_host[b] + adv_h[b] for b in range(B)]
-            adv = torch.tensor(adv_h, device=device)
-            if proc:
+            self.proposer.observe(view, RoundOutcome(tokens, n, hidden, n_h, live, kept,
+                                                     None if isinstance(k, list) else k))
+            if not state.end_when_all_finished() and stream is not None:
+                stream.advance(state.new, state.done)
+            adv = state.advances(n_h)  # the rows still running move on (rolled-back slots are just not counted)
+            if proc:  # the processors' view of each row grows by the same tokens
                 seq, meta = proc
-                pos, write = advanced_slots(L, tokens, adv)
+                pos, write = advanced_slots(L, tokens, torch.tensor(adv, device=device))
                 ppos = torch.where(write, pos + meta[:, :1], 2 * S - 1)
                 seq.scatter_(1, ppos, torch.where(write, tokens, seq[:, 2 * S - 1:]))
-            L, root = advance_rows(hist, L, root, tokens, adv)
+            state.commit(tokens, adv)
         if stream is not None:
-            stream.advance(new, [True] * n_rows)
+            stream.advance(state.new, [True] * n_rows)
             stream.end()
         self.stats.seconds += time.perf_counter() - start
-        return new, score_log
+        return state.new, score_log
 
     def _run_tree_round(self, B, params, width, tree, root, L, active, generator, V, kv, proc=(), extras=None):
-        tree_tokens, parents, shape, _ = tree
+        tree_tokens, parents, shape = tree.tokens, tree.parents, tree.shape
         device = root.device
         N, C, _ = shape
         if params.greedy:
@@ -1629,10 +1396,10 @@ class SpecGraphModel:
         tokens, n, path_nodes, *rest = self._tree_round_fn(B, params, width, shape, extras)(
             root, L, active, accept_u, expo, tree_tokens, parents, *temp, *proc, *kv)
         if self.draft == "model":  # the draft cache holds the fed tree nodes at their tree slots too
-            self._compact_fn(B, "draft")(L, path_nodes, n, active, *self._cache(B, "draft"))
+            self._compact_fn(B, "draft")(L, path_nodes, n, active, *self.cache(B, "draft"))
         return (tokens, n, *rest)
 
-    def _prefill(self, B, rows, kv, device, which):
+    def prefill_rows(self, B, rows, kv, device, which):
         """Write every prompt token but the last (the first root) into the cache.
 
         Runs the unmodified model eagerly through :class:`specgraph.capture.Step` with the same

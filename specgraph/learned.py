@@ -574,7 +574,7 @@ class EagleDrafter(_HeadDrafter):
         return tokens, spec.parents.to(L.device).expand(B, N), (N, spec.children.shape[1], D), [N - 1] * B
 
     def _static_tree_fn(self, B):
-        """Level by level like the draft model's ``_draft_tree_fn``: the nodes of depth d that have
+        """Level by level like the draft model's ``draft_tree_graph``: the nodes of depth d that have
         children are fed together (each sees the committed head slots and its own ancestors), and a
         node's rank-r child is the head's r-th most likely token there."""
         key = ("eagle_tree", B)
@@ -583,7 +583,7 @@ class EagleDrafter(_HeadDrafter):
             from specgraph.compiler import _tree_mask
 
             S, head, spec = self.slots, self.head, self.sg.tree
-            levels = self.sg._tree_levels
+            levels = self.sg.tree_levels
             parents, rank = spec.parents.tolist(), self.sg.tree_rank
             kids = spec.children.tolist()
             R = max(rank) + 1

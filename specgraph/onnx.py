@@ -8,13 +8,13 @@ host sync per round) and advances the committed lengths:
 
 * chains (``draft=None``, ``"ngram"``, ``"suffix"`` with ``tree=None``): prompt lookup
   (:func:`specgraph.drafters.ngram_propose`) or the suffix index's best path
-  (:func:`specgraph.compiler.suffix_chains`, :func:`specgraph.compiler.suffix_chain_drafts`);
+  (:func:`specgraph.proposers.suffix.suffix_chains`, :func:`specgraph.proposers.suffix.suffix_chain_drafts`);
   ``verify_k{k}`` when some live row has a proposal, else the plain ``verify_k0`` step; prompt
   lookup moves k along the compiler's depth ladder (:func:`specgraph.compiler.next_k`, e.g. 4 -> 8
   after a fully accepted round), suffix chains take the smallest exported depth that holds them.
-* trees: prompt-lookup tries on the static tree (:func:`specgraph.compiler.propose_ngram_tree`) or
+* trees: prompt-lookup tries on the static tree (:func:`specgraph.proposers.ngram.propose_ngram_tree`) or
   per-request suffix trees packed into the smallest exported shape
-  (:func:`specgraph.compiler.pack_suffix_trees`); ``tree_n{N}_c{C}_d{D}`` verifies the tree and
+  (:func:`specgraph.proposers.suffix.pack_suffix_trees`); ``tree_n{N}_c{C}_d{D}`` verifies the tree and
   compacts the accepted path's K/V in the graph; the plain step when nothing was proposed.
 * a draft model: K ``draft_q{Q}`` steps (Q = 2 for the first, feeding the previous token and the
   root, then 1) on the draft's own cache, then ``verify_k{K}`` with the drafts and, when sampling,
@@ -44,10 +44,11 @@ import numpy as np
 import torch
 
 from specgraph.artifacts import ArtifactError, check_listed, safe_path, verify_files
-from specgraph.compiler import (
-    SUFFIX_MIN_SCORE, assemble_output, calibrate_suffix, eos_and_pad, next_k, pack_suffix_trees,
-    one_call, prompt_rows, propose_ngram_tree, suffix_chain_drafts, suffix_chains,
-)
+from specgraph.callrows import CallRows
+from specgraph.compiler import assemble_output, eos_and_pad, next_k, one_call, prompt_rows
+from specgraph.proposers.ngram import propose_ngram_tree
+from specgraph.proposers.suffix import (SUFFIX_MIN_SCORE, calibrate_suffix, pack_suffix_trees, suffix_chain_drafts,
+                                        suffix_chains)
 from specgraph.drafters import ngram_propose
 from specgraph.eager import GenerationStats
 from specgraph.generation import stop_at
@@ -308,11 +309,11 @@ class OnnxSpecGenerator:
     def _propose_chain(self, ladder, k_now, hist, L, root, active, sessions, sample: bool):
         """Model-free chain drafts for this round: (k, drafts [B, k], whether some live row has a
         proposal; without one the compiler takes a plain step). The compiler's rules
-        (SpecGraphModel._propose): prompt lookup drafts k_now tokens (the depth ladder), suffix
+        (specgraph.proposers): prompt lookup drafts k_now tokens (the depth ladder), suffix
         decoding the best path of each row's suffix tree, at most k_now tokens, in the smallest
-        ladder depth that holds the longest (:func:`specgraph.compiler.suffix_chain_drafts`); sampled
+        ladder depth that holds the longest (:func:`specgraph.proposers.suffix.suffix_chain_drafts`); sampled
         rounds calibrate the suffix threshold per row as the compiler does
-        (:func:`specgraph.compiler.calibrate_suffix`)."""
+        (:func:`specgraph.proposers.suffix.calibrate_suffix`)."""
         if self.draft == "ngram":
             d, matched = ngram_propose(hist, L + 1, k_now, self.manifest["ngram"]["max"], self.manifest["ngram"]["min"])
             return k_now, d, bool((matched * active).any())
@@ -330,7 +331,7 @@ class OnnxSpecGenerator:
         return propose_ngram_tree(self._tree_spec, self.tree["rank"], hist, L, active)
 
     def _draft_model_chain(self, dkv, hist, L, root, active, sample, temp, generator):
-        """K draft-model steps (SpecGraphModel._propose_with_draft_model): drafts [B, K] and, when
+        """K draft-model steps (specgraph.proposers.draft_model): drafts [B, K] and, when
         sampling, the q rows [B, K, V] they were drawn from (else None)."""
         B, V, K = self.batch_size, self.vocab, self.num_speculative_tokens
         prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
@@ -359,20 +360,17 @@ class OnnxSpecGenerator:
         start_t = time.perf_counter()
         kv = self._new_kv("target")
         dkv = self._new_kv("draft") if self.draft == "model" else None
-        hist = torch.zeros(B, S, dtype=torch.long)
-        lens = [len(r) for r in rows] + [1] * (B - n_rows)
-        for b, r in enumerate(rows):
-            hist[b, : len(r)] = torch.tensor(r)
         self._prefill(rows, kv)
         if dkv is not None:
             self._prefill(rows, dkv, "draft")
-        L = torch.tensor([n - 1 for n in lens])
-        root = hist.gather(1, L.unsqueeze(1)).squeeze(1)
-        new = [[] for _ in range(n_rows)]
-        done = [False] * n_rows + [True] * (B - n_rows)
+        state = CallRows.start(rows, B, S, "cpu")  # the compiled loop's row state
+
+        def stop(b, emitted, room):
+            return stop_at(emitted, room, eos)
         temp = np.full(B, temperature, dtype=np.float32)
-        while not all(done):
-            active = torch.tensor([not d for d in done])
+        while not all(state.done):
+            hist, L, root, done = state.hist, state.L, state.root, state.done
+            active = torch.tensor(state.live)
             tree = None if self.tree is None else self._propose_tree(hist, L, root, active, sessions)
             inputs = {"root": root.numpy(), "L": L.numpy(), "active": active.numpy()}
             if tree is not None:
@@ -418,22 +416,14 @@ class OnnxSpecGenerator:
             for b in range(n_rows):
                 if done[b]:
                     continue
-                keep, stopped = stop_at(tokens_h[b][: n_h[b]], max_new_tokens - len(new[b]), eos)
-                new[b].extend(keep)
+                keep = state.keep(b, tokens_h[b][: n_h[b]], max_new_tokens, eos, stop)
                 self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
                 if sessions is not None:
                     sessions[b].extend(keep)
-                if stopped or len(new[b]) >= max_new_tokens:
-                    done[b] = True
-            adv = torch.tensor([0 if done[b] else n_h[b] for b in range(B)])
-            T = tokens_t.shape[1]
-            pos = L.unsqueeze(1) + 1 + torch.arange(T)  # history holds L + 1 tokens
-            write = torch.arange(T).unsqueeze(0) < adv.unsqueeze(1)
-            hist.scatter_(1, torch.where(write, pos, S - 1), torch.where(write, tokens_t, hist[:, S - 1:]))
-            L = L + adv
-            root = torch.where(adv > 0, tokens_t.gather(1, (adv - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
+            state.end_when_all_finished()
+            state.commit(tokens_t, state.advances(n_h))
         self.stats.seconds += time.perf_counter() - start_t
-        return new
+        return state.new
 
 
 def _np(t) -> np.ndarray:

@@ -5,9 +5,9 @@
 * ``verify_k{k}.onnx`` (greedy) and ``verify_k{k}_sample.onnx`` (sampling) for each chain depth
   ``k``: the captured, pass-rewritten target step (:func:`specgraph.capture.capture_step` +
   :func:`specgraph.passes.run_step_pipeline`, the graph ``specgraph.compile`` runs) wrapped in the
-  round of :meth:`SpecGraphModel._round_fn`: ids, positions, write slots and the additive mask are
-  built in the graph from ``root``/``L``/``active`` exactly as the compiler builds them
-  (:func:`specgraph.compiler._step_mask`), then the chain is verified in the graph by
+  compiler's own chain round (:func:`specgraph.compiler.chain_round`, the one every compiled object
+  runs): ids, positions, write slots and the additive mask are built in the graph from
+  ``root``/``L``/``active``, then the chain is verified in the graph by
   :func:`specgraph.verify.verify_chain_with_noise`.
 * trees (``draft="ngram", tree=[paths]`` or ``draft="suffix", tree="dynamic"``):
   ``tree_n{N}_c{C}_d{D}.onnx`` (+ ``_sample``) per compiled tree shape (N nodes, at most C children
@@ -18,7 +18,7 @@
   KV compaction of the accepted path (``compiler.compact_path``) on the output copies of the cache.
   Plus ``verify_k0``: the plain step taken when the drafter proposed nothing.
 * a draft model (``specgraph.compile(target, draft=<smaller model>)``, chains): ``draft_q2`` /
-  ``draft_q1`` (+ ``_sample``), the draft step of :meth:`SpecGraphModel._draft_fn` on the draft's
+  ``draft_q1`` (+ ``_sample``), the draft step of :meth:`SpecGraphModel.draft_graph` on the draft's
   own cache (the first step of a round feeds the previous token and the root, the K - 1 later ones
   the previous draft), ``verify_k{K}`` (+ ``_sample``, which takes the drafts' q rows) and
   ``draft_prefill_c{C}``.
@@ -93,14 +93,13 @@ from pathlib import Path
 import torch
 
 from specgraph.capture import capture_step, kv_layout, layer_windows, new_kv_cache
-from specgraph.compiler import (
-    NGRAM_MAX, NGRAM_MIN, SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES, compact_path, chain_logits, draft_logits,
-    prefill_logits, scaled_logits, tree_logits,
-)
+from specgraph.compiler import chain_round, compact_path, draft_logits, prefill_logits, scaled_logits, tree_logits
+from specgraph.proposers.ngram import NGRAM_MAX, NGRAM_MIN
+from specgraph.proposers.suffix import SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES
 from specgraph.passes import run_step_pipeline
-from specgraph.verify import verify_chain_with_noise, verify_tree_with_noise
+from specgraph.verify import verify_tree_with_noise
 from specgraph.artifacts import sha256_file
-from specgraph.warping import normalize_filters, warped_probs
+from specgraph.warping import SamplingParams, normalize_filters, warped_probs
 
 FORMAT = "specgraph-onnx"
 FORMAT_VERSION = 2
@@ -124,7 +123,8 @@ def kv_names(num_layers: int, prefix: str) -> list[str]:
 
 
 class VerifyRound(torch.nn.Module):
-    """One verification round: the compiler's round function as a module with flat inputs.
+    """One verification round: the compiler's chain round (:func:`specgraph.compiler.chain_round`)
+    over the whole cache, as a module with flat inputs.
 
     Inputs (flat): root, L, active, [drafts if k > 0], [draft_probs if use_q], [accept_u if k > 0
     and sampling], [expo, temperature if sampling], *kv.  Outputs: tokens, num_emitted, logits, *new kv.
@@ -139,6 +139,8 @@ class VerifyRound(torch.nn.Module):
         self.k, self.slots, self.window, self.sample = k, slots, window, sample
         self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
         self.use_q = bool(use_q and sample and k > 0)
+        params = SamplingParams(1.0, top_k, top_p, min_p) if sample else SamplingParams(0.0)
+        self.round = chain_round(step, k, slots, window, params, use_q=self.use_q, want_scores=True)
 
     def forward(self, *args):
         k = self.k
@@ -161,18 +163,14 @@ class VerifyRound(torch.nn.Module):
                 accept_u = args[i].new_zeros(args[i].shape[0], 0)  # expo's batch; [B, 0]
             expo, temperature = args[i], args[i + 1]
             i += 2
-        # ONNX has no in-place update of a graph input: write into copies, return them.
+        # ONNX has no in-place update of a graph input: the round writes into copies, returned.
         kv = [t.clone() for t in args[i:]]
-        S = self.slots
-        logits = chain_logits(self.step, root, L, active, drafts, kv, S, S, self.window)  # [B, k+1, V]
         if self.sample:
-            # warp_logits computes logits.float() / temperature first; doing that division here with
-            # a tensor temperature and verifying at temperature 1.0 is the same computation.
-            tokens, n = verify_chain_with_noise(scaled_logits(logits, temperature), draft_probs, drafts,
-                                                (accept_u, expo), 1.0, self.top_k, self.top_p, self.min_p)
+            tokens, n, _, logits = self.round(self.slots, root, L, active, accept_u, expo, drafts, draft_probs,
+                                              temperature, *kv)
         else:
-            tokens, n = verify_chain_with_noise(logits, None, drafts, None, 0.0)
-        return (tokens, n, logits, *kv)
+            tokens, n, _, logits = self.round(self.slots, root, L, active, None, None, drafts, None, *kv)
+        return (tokens, n, logits, *kv)  # logits [B, k+1, V]
 
 
 class TreeRound(torch.nn.Module):
@@ -218,7 +216,7 @@ class TreeRound(torch.nn.Module):
 
 
 class DraftStep(torch.nn.Module):
-    """One draft-model step (``SpecGraphModel._draft_fn``): feed Q tokens ending at position
+    """One draft-model step (``SpecGraphModel.draft_graph``): feed Q tokens ending at position
     ``last``, propose the next token.
 
     Inputs (flat): tokens [B, Q], last [B], active [B], [expo [B, V], temperature [B] if sampling],

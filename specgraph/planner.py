@@ -262,7 +262,7 @@ def measure_round_costs(fast, batch_sizes, grid, context: int, repeats: int = 5,
     calls = {}  # (B, N) -> a call of that shape's round on fixed random inputs
     total = len(batch_sizes) * len(grid)
     for B in batch_sizes:
-        kv = fast._cache(B)
+        kv = fast.cache(B)
         for N in grid:
             k = N - 1
             fn = fast._round_fn(B, params, width, k)
@@ -287,7 +287,8 @@ def measure_round_costs(fast, batch_sizes, grid, context: int, repeats: int = 5,
 @torch.no_grad()
 def measure_draft_costs(fast, batch_sizes, context: int, repeats: int = 5, progress=True) -> tuple[dict, dict]:
     """({B: seconds of one draft-model step}, {B: seconds of one prompt-lookup proposal})."""
-    from specgraph.compiler import NGRAM_MAX, NGRAM_MIN, attend_width
+    from specgraph.compiler import attend_width
+    from specgraph.proposers.ngram import NGRAM_MAX, NGRAM_MIN
     from specgraph.drafters import ngram_propose
     from specgraph.warping import SamplingParams
 
@@ -298,8 +299,8 @@ def measure_draft_costs(fast, batch_sizes, context: int, repeats: int = 5, progr
     g = torch.Generator().manual_seed(1)
     for B in batch_sizes:
         if fast.draft == "model":
-            fn = fast._draft_fn(B, 1, SamplingParams(0.0), width)
-            kv = fast._cache(B, "draft")
+            fn = fast.draft_graph(B, 1, SamplingParams(0.0), width)
+            kv = fast.cache(B, "draft")
             tok = torch.randint(V, (B, 1), generator=g).to(device)
             last = torch.full((B,), context, dtype=torch.long, device=device)
             active = torch.ones(B, dtype=torch.bool, device=device)

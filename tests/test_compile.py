@@ -686,7 +686,7 @@ def test_cache_fill_step_writes_the_same_cache_without_the_prompt_logits(llama):
     pos = torch.arange(5).expand(2, 5).contiguous()
     caches, outs = [], []
     for step in (Step(llama), fast._fill_step):
-        kv = [torch.zeros_like(t) for t in fast._cache(2)]
+        kv = [torch.zeros_like(t) for t in fast.cache(2)]
         with torch.no_grad():
             outs.append(sg_compiler.prefill_logits(step, ids, pos, valid, kv, fast.slots, fast.window, hidden=True))
         caches.append(kv)
@@ -700,8 +700,8 @@ def test_cache_fill_step_writes_the_same_cache_without_the_prompt_logits(llama):
     attended = []
     step = fast._fill_step
     fast._fill_step = lambda ids, pos, mask, slots, *kv: attended.append(mask.shape[-1]) or step(ids, pos, mask, slots, *kv)
-    kv = [torch.zeros_like(t) for t in fast._cache(2)]
-    fast._prefill(2, rows, kv, "cpu", "target")
+    kv = [torch.zeros_like(t) for t in fast.cache(2)]
+    fast.prefill_rows(2, rows, kv, "cpu", "target")
     assert attended == [6] and fast.slots > 6
     for a, b in zip(kv, caches[0]):
         torch.testing.assert_close(a[:, :, :5], b[:, :, :5])

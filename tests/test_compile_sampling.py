@@ -19,6 +19,7 @@ import specgraph
 from heads_for_tests import random_head
 from law import gof_pvalue
 import specgraph.compiler as sg_compiler
+import specgraph.proposers.draft_model as sg_draft_model
 import specgraph.learned as sg_learned
 from specgraph.drafters import layer_skip
 from specgraph.warping import warped_probs
@@ -150,7 +151,7 @@ def test_negative_control_argmax_drafts_reported_as_sampled_is_rejected(target, 
         calls.append(1)
         return torch.ones(B, V_, device=device)  # the exponential race degenerates to argmax q
 
-    monkeypatch.setattr(sg_compiler, "_race_noise", no_noise)
+    monkeypatch.setattr(sg_draft_model, "race_noise", no_noise)
     fast = compile_fast(target, "model", draft)
     counts = sampled_counts(fast, settings, seed=7)
     assert calls, "the mutation was not exercised"

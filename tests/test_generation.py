@@ -23,6 +23,7 @@ from heads_for_tests import random_head
 from law import gof_pvalue
 import specgraph.compiler as sg_compiler
 from specgraph.generation import UnsupportedSetting
+from specgraph.proposers.draft_model import DraftModelProposer
 from specgraph.warping import warped_probs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -454,12 +455,12 @@ def test_draft_model_proposals_go_through_the_processors(name, monkeypatch):
     assert torch.equal(fast.generate(ids, attention_mask=mask, **kw), ref)
     assert fast.stats.accepted == fast.stats.drafted > 0, fast.stats
 
-    orig = sg_compiler.SpecGraphModel._propose_with_draft_model
+    orig = DraftModelProposer.propose
 
     def unprocessed(self, *args):
-        self._draft_processors = (None, ())
+        self.engine.draft_processors = (None, ())
         return orig(self, *args)
-    monkeypatch.setattr(sg_compiler.SpecGraphModel, "_propose_with_draft_model", unprocessed)
+    monkeypatch.setattr(DraftModelProposer, "propose", unprocessed)
     assert torch.equal(fast.generate(ids, attention_mask=mask, **kw), ref)
     assert fast.stats.accepted < fast.stats.drafted, fast.stats
 

@@ -20,8 +20,8 @@ LAYERS = [
     ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset",
               "processors", "generation", "templates",
               "kernels", "passes"}),
-    ("engine", {"compiler", "eager", "packages"}),
-    ("drafters", {"drafters", "suffix", "heads", "learned"}),
+    ("engine", {"compiler", "callrows", "eager", "packages"}),
+    ("drafters", {"drafters", "suffix", "heads", "learned", "proposers"}),
     ("policy", {"adaptive", "planner"}),
     ("api", {"api", "graphcache", "buildworker"}),
     ("serve", {"serving"}),  # the specgraph.serving package, as one module
@@ -29,11 +29,11 @@ LAYERS = [
 ]
 LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 
-# upward edges the engine still has: the loop in compiler.py calls the drafters and the adaptive
-# policy directly, and the eager fallback runs prompt lookup
+# upward edges the engine still has: the compiled object makes its proposer and resolves head
+# drafters, the loop calls the adaptive policy directly, and the eager fallback runs prompt lookup
 KNOWN_UPWARD = {
-    ("compiler", "adaptive"), ("compiler", "drafters"), ("compiler", "learned"), ("compiler", "planner"),
-    ("compiler", "suffix"), ("eager", "drafters"), ("learned", "planner"),
+    ("compiler", "adaptive"), ("compiler", "learned"), ("compiler", "planner"), ("compiler", "proposers"),
+    ("eager", "drafters"), ("learned", "planner"),
 }
 KNOWN_PRIVATE = {
     ("learned", "compiler._step_mask"), ("learned", "compiler._tree_mask"), ("learned", "heads._TargetBound"),
@@ -66,12 +66,13 @@ def violations(graph: dict) -> tuple[set, set]:
 
 def module_graph() -> dict:
     graph = {p.stem: imports_of(p.read_text()) for p in sorted(SRC.glob("*.py")) if p.stem != "__init__"}
-    mods, private = set(), set()
-    for p in sorted((SRC / "serving").glob("*.py")):  # a package: one node, its files' imports together
-        m, pv = imports_of(p.read_text())
-        mods |= m - {"serving"}
-        private |= {x for x in pv if not x.startswith("serving.")}
-    graph["serving"] = (mods, private)
+    for package in ("serving", "proposers"):  # a package: one node, its files' imports together
+        mods, private = set(), set()
+        for p in sorted((SRC / package).glob("*.py")):
+            m, pv = imports_of(p.read_text())
+            mods |= m - {package}
+            private |= {x for x in pv if not x.startswith(f"{package}.")}
+        graph[package] = (mods, private)
     return graph
 
 

@@ -471,7 +471,7 @@ def test_tree_graph_matches_compiler_tree_round(ngram_tree):
 
 @torch.no_grad()
 def test_draft_step_and_verify_graphs_match_compiler(draft_chain):
-    """Draft-model graphs: draft_q2 / draft_q1 against the compiler's ``_draft_fn`` (token, logits
+    """Draft-model graphs: draft_q2 / draft_q1 against the compiler's ``draft_graph`` (token, logits
     or q row within 1e-4, draft cache within 1e-4; greedy and sampled with identical Exp(1) noise),
     and verify_k3_sample with draft_probs against the compiler's ``_round_fn``: given identical
     uniforms, the same accepted tokens."""
@@ -496,11 +496,11 @@ def test_draft_step_and_verify_graphs_match_compiler(draft_chain):
                 temp = 0.7
                 expo = -torch.log(torch.rand(B, V, generator=gen).clamp_min(1e-38))
                 out = g.run(f"draft_q{Q}_sample", {**feeds, "expo": expo, "temperature": torch.full((B,), temp)})
-                tok, q = fast._draft_fn(B, Q, SamplingParams(temp), S)(tokens, last, active, expo, *ref_kv)
+                tok, q = fast.draft_graph(B, Q, SamplingParams(temp), S)(tokens, last, active, expo, *ref_kv)
                 assert (torch.from_numpy(out["q"]) - q).abs().max() < 1e-4
             else:
                 out = g.run(f"draft_q{Q}", feeds)
-                tok, logits = fast._draft_fn(B, Q, SamplingParams(0.0), S)(tokens, last, active, torch.ones(B, 1), *ref_kv)
+                tok, logits = fast.draft_graph(B, Q, SamplingParams(0.0), S)(tokens, last, active, torch.ones(B, 1), *ref_kv)
                 assert (torch.from_numpy(out["logits"]) - logits).abs().max() < 1e-4
             assert torch.equal(torch.from_numpy(out["token"]), tok), (Q, sample)
             assert_caches_close(out, dpresent, ref_kv, S - 1)
@@ -611,7 +611,7 @@ def test_sampled_tree_and_draft_generation_equal_torch_path(which, request):
 @torch.no_grad()
 def test_sampled_suffix_chain_is_calibrated_like_the_torch_path(suffix_chain, monkeypatch):
     """Sampled suffix chains scale their drafting threshold by each row's observed acceptance
-    (specgraph.compiler.calibrate_suffix): the ONNX generator must do the same, or its rounds draft
+    (specgraph.proposers.suffix.calibrate_suffix): the ONNX generator must do the same, or its rounds draft
     other chains and, same seed, emit other tokens than the compiled torch path. A calibration that
     forgets at once (DECAY 0.01) makes one rejected round stop a row's drafting, so the difference
     shows on a tiny random model (without it in the generator, seed 8 below differs)."""

@@ -273,7 +273,7 @@ def test_paths_best_chain_and_default_depth_rule():
 def test_min_score_cuts_chains_and_prunes_packed_trees():
     """Low-probability nodes are not drafted: the chain stops before them and the packed tree is
     the prefix of nodes at or above the threshold (a prefix of the node list is a tree)."""
-    from specgraph.compiler import SUFFIX_TREE_SIZES, chain_depth, pack_suffix_trees, suffix_chains
+    from specgraph.proposers.suffix import SUFFIX_TREE_SIZES, chain_depth, pack_suffix_trees, suffix_chains
 
     ix = SuffixIndex(max_depth=24)
     for tail in ([4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [4, 9, 9, 9], [8, 8, 8, 8]) * 2:
@@ -301,7 +301,7 @@ def test_sampled_rounds_calibrate_the_threshold_by_observed_acceptance():
     """A sampled round's chain is cut at min_score / scale, scale = decayed accepted / predicted
     drafts of this request (capped at 1): after rounds that accept nothing, only drafts the
     observed rate still makes worth it remain; greedy (calibrated=False) ignores the scale."""
-    from specgraph.compiler import calibrate_suffix, suffix_chains
+    from specgraph.proposers.suffix import calibrate_suffix, suffix_chains
     from specgraph.suffix import AcceptanceCalibration
 
     ix = SuffixIndex(max_depth=24)

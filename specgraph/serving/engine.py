@@ -39,7 +39,9 @@ from typing import Callable
 
 import torch
 
-from specgraph.compiler import NGRAM_MAX, NGRAM_MIN, RoundExtras, SpecGraphModel, advance_rows
+from specgraph.callrows import advance_rows
+from specgraph.compiler import RoundExtras, SpecGraphModel
+from specgraph.proposers.ngram import NGRAM_MAX, NGRAM_MIN
 from specgraph.drafters import ngram_propose
 from specgraph.generation import stop_at
 from specgraph.graphcache import CachedGraphs, GreedyRows

@@ -1,0 +1,44 @@
+"""Prompt lookup: drafts copied from earlier in each row's own text."""
+from __future__ import annotations
+
+from specgraph.drafters import ngram_propose, ngram_tree_propose
+from specgraph.proposers.base import ChainProposal, Proposer, RoundView, TreeProposal
+from specgraph.trees import TreeSpec
+
+NGRAM_MAX, NGRAM_MIN = 3, 2  # longest / shortest suffix n-gram to match
+NGRAM_TREE_MATCHES = 8  # trees merge the continuations of this many latest matches
+
+
+def propose_ngram_tree(spec: TreeSpec, rank: list[int], hist, L, active):
+    """Prompt-lookup tries on the static tree ``spec`` (node ranks ``rank``): (tree_tokens [B, N],
+    parents [B, N], shape (N, C, D), drafted nodes per row), or None when no live row matched (the
+    round is then a plain step). hist [B, S] long holding L + 1 tokens per row, L [B], active [B]
+    bool. Shared by the compiled loop and the ONNX runtime (specgraph.onnx)."""
+    B, N = hist.shape[0], spec.num_nodes
+    tokens, matched = ngram_tree_propose(
+        hist, L + 1, spec.parents.tolist(), rank, NGRAM_MAX, NGRAM_MIN, NGRAM_TREE_MATCHES)
+    if not bool((matched * active).any()):
+        return None
+    parents = spec.parents.to(hist.device).expand(B, N)
+    return tokens, parents, (N, spec.children.shape[1], spec.max_depth), [N - 1] * B
+
+
+class NgramProposer(Proposer):
+    """Chains: the continuation of the latest earlier occurrence of each row's last 2-3 tokens
+    (:func:`specgraph.drafters.ngram_propose`); trees: the continuations of several matches merged
+    on the static tree ``tree``. A round in which no live row matched an n-gram of at least
+    ``NGRAM_MIN`` tokens is a plain step, so text without repetition costs what plain decoding
+    costs."""
+
+    def __init__(self, tree: TreeSpec | None = None, rank: list[int] | None = None):
+        self.tree, self.rank = tree, rank
+
+    def propose(self, view: RoundView, k: int) -> ChainProposal | None:
+        drafts, matched = ngram_propose(view.hist, view.L + 1, k, NGRAM_MAX, NGRAM_MIN)
+        if bool((matched * view.active).any()):  # host sync: which graph runs depends on it
+            return ChainProposal(k, drafts)
+        return None
+
+    def propose_tree(self, view: RoundView) -> TreeProposal | None:
+        out = propose_ngram_tree(self.tree, self.rank, view.hist, view.L, view.active)
+        return None if out is None else TreeProposal(*out)
