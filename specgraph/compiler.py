@@ -225,6 +225,63 @@ def chain_round(step, k: int, slots: int, window, params: SamplingParams, *, use
     return round_fn
 
 
+def tree_round(step, shape: tuple[int, int, int], slots: int, window, params: SamplingParams, *,
+               spec: LogitsSpec | None = None, want_scores: bool = False, top_n: int = -1,
+               with_features: bool = False):
+    """The tree round around a captured target ``step`` of N query tokens, for trees of ``shape``
+    (N nodes, at most C children per node, depth at most D) whose topology is an input
+    (``parents``): the target's logits at every node (:func:`tree_logits`), the logits processors
+    of ``spec`` along each node's path, exact verification, then the accepted path's K/V moved to
+    contiguous slots (:func:`compact_path`), all in one graph.
+
+    Greedy: ``tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, *proc,
+    *kv)``; sampling takes a ``temperature`` [B] float32 after ``parents``. Returns (path tokens
+    [B, D+1], n [B], path nodes [B, D+1]), then with ``want_scores`` the processed and raw logits
+    along the path [B, D+1, V], with ``top_n`` >= 0 the emitted tokens' log-probabilities and
+    the top-n, and with ``with_features`` the target's features along the path [B, D+1, H]."""
+    S = slots
+    N, C, D = shape
+    hid = with_features
+    n_proc = 0 if spec is None else 2
+
+    def along(t, path_nodes):  # rows of t [B, N, X] at the accepted path's nodes [B, D+1]
+        return t.gather(1, path_nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, t.shape[2]))
+
+    def verify_and_compact(cols, root, L, active, tree_tokens, parents, noise, temperature, rest):
+        proc, kv = rest[:n_proc], rest[n_proc:]
+        logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
+                                                    cols, window, hidden=True)
+        processed = logits if spec is None else process_logits(
+            spec, logits, *proc, L, *tree_paths(tree_tokens, parents, D))
+        path_tokens, n, path_nodes = verify_tree_with_noise(
+            processed if temperature is None else scaled_logits(processed, temperature), None, ids, children, D,
+            noise, 1.0 if noise is not None else 0.0, params.top_k, params.top_p, params.min_p,
+        )
+        compact_path(kv, L, path_nodes, n, active, S - 1)
+        out = (path_tokens, n, path_nodes)
+        if want_scores:
+            out = (*out, along(processed, path_nodes), along(logits, path_nodes))
+        if top_n >= 0:
+            x = along(processed, path_nodes)
+            x = x if temperature is None else scaled_logits(x, temperature)
+            out = (*out, *token_logprobs(x, path_tokens, top_n, temperature is not None, params.top_k,
+                                         params.top_p, params.min_p))
+        # head drafters read the target's features along the accepted path [B, D+1, H]
+        return (*out, along(hidden, path_nodes)) if hid else out
+
+    # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V]
+    # (or [B, N, 1] when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
+    if params.greedy:
+        def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, *rest):
+            return verify_and_compact(cols, root, L, active, tree_tokens, parents, None, None, rest)
+    else:
+        def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, temperature, *rest):
+            return verify_and_compact(cols, root, L, active, tree_tokens, parents, (accept_u, expo), temperature,
+                                      rest)
+
+    return tree_round_fn
+
+
 def scaled_logits(logits, temperature):
     """logits [B, Q, V] divided by a per-row temperature [B] float32: what ``warp_logits`` does
     first, with the temperature an input instead of a constant, so one sampling graph serves every
@@ -1020,53 +1077,14 @@ class SpecGraphModel:
 
     def tree_round_function(self, B: int, params: SamplingParams, shape: tuple[int, int, int],
                             extras: "RoundExtras | None" = None, max_batch: int | None = None):
-        """The uncompiled tree round of :meth:`_tree_round_fn`, taking the attended slots [W] (or
-        an int width) first. ``max_batch``: as :meth:`round_function`."""
-        S, window = self.slots, self.window
-        N, C, D = shape
-        step = self._step(B, N, max_batch=max_batch)
-        hid = self.learned is not None
-        spec = None if extras is None else extras.logits
-        want_scores = extras is not None and extras.scores
-        top_n = -1 if extras is None else extras.logprobs
-        n_proc = 0 if spec is None else 2
-
-        def along(t, path_nodes):  # rows of t [B, N, X] at the accepted path's nodes [B, D+1]
-            return t.gather(1, path_nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, t.shape[2]))
-
-        def verify_and_compact(cols, root, L, active, tree_tokens, parents, noise, temperature, rest):
-            proc, kv = rest[:n_proc], rest[n_proc:]
-            logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
-                                                        cols, window, hidden=True)
-            processed = logits if spec is None else process_logits(
-                spec, logits, *proc, L, *tree_paths(tree_tokens, parents, D))
-            path_tokens, n, path_nodes = verify_tree_with_noise(
-                processed if temperature is None else scaled_logits(processed, temperature), None, ids, children, D,
-                noise, 1.0 if noise is not None else 0.0, params.top_k, params.top_p, params.min_p,
-            )
-            compact_path(kv, L, path_nodes, n, active, S - 1)
-            out = (path_tokens, n, path_nodes)
-            if want_scores:
-                out = (*out, along(processed, path_nodes), along(logits, path_nodes))
-            if top_n >= 0:
-                x = along(processed, path_nodes)
-                x = x if temperature is None else scaled_logits(x, temperature)
-                out = (*out, *token_logprobs(x, path_tokens, top_n, temperature is not None, params.top_k,
-                                             params.top_p, params.min_p))
-            # head drafters read the target's features along the accepted path [B, D+1, H]
-            return (*out, along(hidden, path_nodes)) if hid else out
-
-        # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V]
-        # (or [B, N, 1] when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
-        if params.greedy:
-            def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, *rest):
-                return verify_and_compact(cols, root, L, active, tree_tokens, parents, None, None, rest)
-        else:
-            def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, temperature, *rest):
-                return verify_and_compact(cols, root, L, active, tree_tokens, parents, (accept_u, expo), temperature,
-                                          rest)
-
-        return tree_round_fn
+        """The uncompiled tree round of :meth:`_tree_round_fn` (:func:`tree_round` around this
+        object's captured step), taking the attended slots [W] (or an int width) first.
+        ``max_batch``: as :meth:`round_function`."""
+        return tree_round(self._step(B, shape[0], max_batch=max_batch), shape, self.slots, self.window, params,
+                          spec=None if extras is None else extras.logits,
+                          want_scores=extras is not None and extras.scores,
+                          top_n=-1 if extras is None else extras.logprobs,
+                          with_features=self.learned is not None)
 
     def _compact_fn(self, B: int, which: str):
         key = ("compact", which, B)
