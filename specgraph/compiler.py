@@ -225,6 +225,63 @@ def chain_round(step, k: int, slots: int, window, params: SamplingParams, *, use
     return round_fn
 
 
+def tree_round(step, shape: tuple[int, int, int], slots: int, window, params: SamplingParams, *,
+               spec: LogitsSpec | None = None, want_scores: bool = False, top_n: int = -1,
+               with_features: bool = False):
+    """The tree round around a captured target ``step`` of N query tokens, for trees of ``shape``
+    (N nodes, at most C children per node, depth at most D) whose topology is an input
+    (``parents``): the target's logits at every node (:func:`tree_logits`), the logits processors
+    of ``spec`` along each node's path, exact verification, then the accepted path's K/V moved to
+    contiguous slots (:func:`compact_path`), all in one graph.
+
+    Greedy: ``tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, *proc,
+    *kv)``; sampling takes a ``temperature`` [B] float32 after ``parents``. Returns (path tokens
+    [B, D+1], n [B], path nodes [B, D+1]), then with ``want_scores`` the processed and raw logits
+    along the path [B, D+1, V], with ``top_n`` >= 0 the emitted tokens' log-probabilities and
+    the top-n, and with ``with_features`` the target's features along the path [B, D+1, H]."""
+    S = slots
+    N, C, D = shape
+    hid = with_features
+    n_proc = 0 if spec is None else 2
+
+    def along(t, path_nodes):  # rows of t [B, N, X] at the accepted path's nodes [B, D+1]
+        return t.gather(1, path_nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, t.shape[2]))
+
+    def verify_and_compact(cols, root, L, active, tree_tokens, parents, noise, temperature, rest):
+        proc, kv = rest[:n_proc], rest[n_proc:]
+        logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
+                                                    cols, window, hidden=True)
+        processed = logits if spec is None else process_logits(
+            spec, logits, *proc, L, *tree_paths(tree_tokens, parents, D))
+        path_tokens, n, path_nodes = verify_tree_with_noise(
+            processed if temperature is None else scaled_logits(processed, temperature), None, ids, children, D,
+            noise, 1.0 if noise is not None else 0.0, params.top_k, params.top_p, params.min_p,
+        )
+        compact_path(kv, L, path_nodes, n, active, S - 1)
+        out = (path_tokens, n, path_nodes)
+        if want_scores:
+            out = (*out, along(processed, path_nodes), along(logits, path_nodes))
+        if top_n >= 0:
+            x = along(processed, path_nodes)
+            x = x if temperature is None else scaled_logits(x, temperature)
+            out = (*out, *token_logprobs(x, path_tokens, top_n, temperature is not None, params.top_k,
+                                         params.top_p, params.min_p))
+        # head drafters read the target's features along the accepted path [B, D+1, H]
+        return (*out, along(hidden, path_nodes)) if hid else out
+
+    # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V]
+    # (or [B, N, 1] when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
+    if params.greedy:
+        def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, *rest):
+            return verify_and_compact(cols, root, L, active, tree_tokens, parents, None, None, rest)
+    else:
+        def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, temperature, *rest):
+            return verify_and_compact(cols, root, L, active, tree_tokens, parents, (accept_u, expo), temperature,
+                                      rest)
+
+    return tree_round_fn
+
+
 def scaled_logits(logits, temperature):
     """logits [B, Q, V] divided by a per-row temperature [B] float32: what ``warp_logits`` does
     first, with the temperature an input instead of a constant, so one sampling graph serves every
@@ -452,98 +509,162 @@ def attend_width(need: int, slots: int, min_attend: int | None = None, step: int
 TREE_GAIN_MARGIN = 0.05
 
 
+@dataclass
+class EngineConfig:
+    """What :func:`compile` was asked, resolved and validated: the settings a compiled object runs."""
+    draft: str | None  # None (plain decoding), "ngram", "suffix", "custom", "model", "eagle" or "medusa"
+    k: int  # tokens drafted per chain round (a static tree's depth; 0 for plain decoding)
+    k_ladder: list[int]  # the chain depths model-free drafters move between (one graph each)
+    span: int  # cache slots one round writes: the root and k chain drafts, or the tree's nodes
+    tree: "TreeSpec | str | None"  # a static tree, "dynamic", or None (chains)
+    tree_rank: list[int] | None  # a static tree's node ranks
+    tree_nodes: int | None  # drafted nodes per EAGLE-2 dynamic tree
+    tree_choice: dict | None  # tree_nodes="auto": this machine's measurements behind the choice
+    backend: str
+    freeze: bool
+    autotune: bool
+    max_batch_size: int
+    max_seq_len: int
+    draft_model: torch.nn.Module | None = None  # draft="model": the smaller model
+    head: object | None = None  # an EAGLE / Medusa head bound to the target
+    suffix_index: SuffixIndex | None = None  # draft="suffix": the index it drafts from
+    chain_drafter: ChainDrafter | None = None  # draft="custom"
+
+    @property
+    def slots(self) -> int:
+        return self.max_seq_len + 1  # + a scratch slot
+
+
+def resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True,
+                   autotune=False, tree_nodes="auto") -> EngineConfig:
+    """:func:`compile`'s arguments as an :class:`EngineConfig`, or a ``ValueError`` that says what
+    to pass instead. Learned drafters are resolved here (``"layerskip"`` becomes a draft model;
+    ``"eagle"`` / ``"medusa"`` the head matching ``model``), and ``tree_nodes="auto"`` sizes
+    EAGLE-2 trees from this machine's measured costs."""
+    suffix_index = chain_drafter = None
+    if backend not in ("inductor", "eager"):
+        raise ValueError(f"backend must be 'inductor' or 'eager', got {backend!r}")
+    check_servable(model)
+    draft_model = None
+    # learned drafters (specgraph.learned): "layerskip" becomes a draft model; "eagle" / "medusa"
+    # and head objects become (kind, head)
+    draft, head = learned.resolve_draft(model, draft)
+    if head is None and isinstance(draft, torch.nn.Module):
+        draft_model, draft = draft, "model"
+        _check_draft_model(model, draft_model)
+    elif isinstance(draft, SuffixIndex):
+        suffix_index, draft = draft, "suffix"
+    elif isinstance(draft, ChainDrafter):  # host-side chains (e.g. drafters.ReplayDrafter), verified like ngram
+        chain_drafter, draft = draft, "custom"
+    elif draft == "suffix":
+        suffix_index = SuffixIndex()
+    elif head is None and draft not in (None, "ngram"):
+        raise ValueError(
+            f"draft={draft!r} is not supported: use None (compiled plain decoding), 'ngram' (prompt lookup), "
+            "'suffix' (suffix decoding; or a specgraph.suffix.SuffixIndex to share one index), "
+            "'eagle' / 'medusa' (the trained head matching this model, or a specgraph.heads.EagleHead / "
+            "MedusaHeads bound to it), 'layerskip' (the model's first layers, specgraph.drafters.layer_skip), "
+            "or a smaller PreTrainedModel with the same vocabulary"
+        )
+    if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be a positive int, got {num_speculative_tokens!r}")
+    tree, tree_rank = parse_tree(tree, draft)
+    if tree is not None and (uses_alibi(model) or (draft_model is not None and uses_alibi(draft_model))):
+        raise ValueError("ALiBi models (Bloom) run chains, not trees: their position biases count cache slots, "
+                         "and a tree's nodes do not sit at their positions")
+    # EAGLE-2 trees: how many drafted nodes a round verifies (and how deep), from this machine's costs
+    tree_size, tree_choice = None, None
+    if tree_nodes != "auto":
+        if not (tree == "dynamic" and draft == "eagle"):
+            raise ValueError("tree_nodes= sizes EAGLE-2 dynamic trees: it needs an EAGLE head and tree='dynamic'")
+        if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
+            raise ValueError(f"tree_nodes must be a positive int or 'auto', got {tree_nodes!r}")
+        tree_size = tree_nodes
+    elif tree == "dynamic" and draft == "eagle":
+        try:
+            tree_choice = learned.choose_dynamic_tree(model, head, num_speculative_tokens, backend=backend,
+                                                      freeze=freeze, autotune=autotune)
+        except Exception as e:  # noqa: BLE001 - a size is an optimisation: keep the default, say why
+            warnings.warn(f"specgraph: could not measure this machine's tree costs ({type(e).__name__}: {e}); "
+                          f"using {learned.EAGLE_TREE_NODES} nodes", stacklevel=4)
+        if tree_choice is not None:
+            num_speculative_tokens, tree_size = tree_choice["depth"], tree_choice["nodes"]
+            if tree_choice["predicted_speedup"] < 1.0 + TREE_GAIN_MARGIN:
+                # dynamic trees have no per-round off switch (num_speculative_tokens="auto" gates
+                # chains only): say so rather than serve a predicted slowdown without a word
+                warnings.warn(
+                    f"specgraph: on this machine the best EAGLE tree (depth {tree_choice['depth']}, "
+                    f"{tree_choice['nodes']} nodes) is predicted at "
+                    f"{tree_choice['predicted_speedup']:.2f}x a plain step: speculation may not pay here; "
+                    "draft=None compiles plain decoding (fast.tree_choice has the measurements)", stacklevel=4)
+    if max_batch_size < 1 or max_seq_len < 2:
+        raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
+    if model.training:
+        raise ValueError("put the model in eval mode first (model.eval())")
+    k = 0 if draft is None else (tree.max_depth if isinstance(tree, TreeSpec) else num_speculative_tokens)
+    if tree is None:
+        span = k + 1
+    else:
+        span = 1 + max(SUFFIX_TREE_SIZES) if tree == "dynamic" else tree.num_nodes
+    model_free = draft in ("ngram", "suffix", "custom")  # their chains move between depths, see next_k
+    return EngineConfig(draft, k, default_ladder(k) if model_free else [k], span, tree, tree_rank, tree_size,
+                        tree_choice, backend, bool(freeze), bool(autotune), max_batch_size, max_seq_len, draft_model,
+                        head, suffix_index, chain_drafter)
+
+
+def parse_tree(tree, draft):
+    """(TreeSpec, rank per node) for ``tree`` = list of paths (Medusa-style ranks), ("dynamic",
+    None), or (None, None)."""
+    if tree is None:
+        return None, None
+    if draft is None:
+        raise ValueError("tree= needs a draft ('ngram' or a draft model): plain decoding has nothing to branch on")
+    if draft == "custom":
+        raise ValueError("a ChainDrafter proposes chains: use tree=None")
+    if isinstance(tree, str):
+        if tree == "dynamic":
+            if draft in ("suffix", "eagle"):
+                return "dynamic", None
+            raise ValueError(
+                "tree='dynamic' needs a drafter that scores its own nodes (draft='suffix' or an EAGLE head); for "
+                "'ngram' and draft models pass a static tree as a list of paths, e.g. [(0,), (1,), (0, 0), (0, 0, 0)]"
+            )
+        raise ValueError(f"tree must be None, a list of paths or 'dynamic', got {tree!r}")
+    if draft == "suffix":
+        raise ValueError("draft='suffix' builds its own trees: use tree='dynamic' (or tree=None for a chain)")
+    try:
+        spec, rank = tree_from_paths(tree)
+    except TypeError as e:
+        raise ValueError(f"tree must be a list of paths (tuples of ranks), got {tree!r}") from e
+    if draft == "ngram" and int(rank.max()) >= NGRAM_TREE_MATCHES:
+        raise ValueError(f"prompt-lookup trees rank at most {NGRAM_TREE_MATCHES} candidates per node; got rank {int(rank.max())}")
+    return spec, rank.tolist()
+
+
 class SpecGraphModel:
     """What :func:`compile` returns. Call :meth:`generate`; read :attr:`stats`."""
 
     def __init__(self, model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True,
                  autotune=False, tree_nodes="auto"):
-        if backend not in ("inductor", "eager"):
-            raise ValueError(f"backend must be 'inductor' or 'eager', got {backend!r}")
-        check_servable(model)
-        draft_model = None
-        # learned drafters (specgraph.learned): "layerskip" becomes a draft model; "eagle" / "medusa"
-        # and head objects become (kind, head)
-        draft, head = learned.resolve_draft(model, draft)
-        if head is None and isinstance(draft, torch.nn.Module):
-            draft_model, draft = draft, "model"
-            _check_draft_model(model, draft_model)
-        elif isinstance(draft, SuffixIndex):
-            self.suffix_index, draft = draft, "suffix"
-        elif isinstance(draft, ChainDrafter):  # host-side chains (e.g. drafters.ReplayDrafter), verified like ngram
-            self.chain_drafter, draft = draft, "custom"
-        elif draft == "suffix":
-            self.suffix_index = SuffixIndex()
-        elif head is None and draft not in (None, "ngram"):
-            raise ValueError(
-                f"draft={draft!r} is not supported: use None (compiled plain decoding), 'ngram' (prompt lookup), "
-                "'suffix' (suffix decoding; or a specgraph.suffix.SuffixIndex to share one index), "
-                "'eagle' / 'medusa' (the trained head matching this model, or a specgraph.heads.EagleHead / "
-                "MedusaHeads bound to it), 'layerskip' (the model's first layers, specgraph.drafters.layer_skip), "
-                "or a smaller PreTrainedModel with the same vocabulary"
-            )
-        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be a positive int, got {num_speculative_tokens!r}")
-        self.tree, self.tree_rank = self._parse_tree(tree, draft)
-        if self.tree is not None and (uses_alibi(model) or (draft_model is not None and uses_alibi(draft_model))):
-            raise ValueError("ALiBi models (Bloom) run chains, not trees: their position biases count cache slots, "
-                             "and a tree's nodes do not sit at their positions")
-        # EAGLE-2 trees: how many drafted nodes a round verifies (and how deep), from this machine's costs
-        self.tree_nodes, self.tree_choice = None, None
-        if tree_nodes != "auto":
-            if not (self.tree == "dynamic" and draft == "eagle"):
-                raise ValueError("tree_nodes= sizes EAGLE-2 dynamic trees: it needs an EAGLE head and tree='dynamic'")
-            if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
-                raise ValueError(f"tree_nodes must be a positive int or 'auto', got {tree_nodes!r}")
-            self.tree_nodes = tree_nodes
-        elif self.tree == "dynamic" and draft == "eagle":
-            try:
-                self.tree_choice = learned.choose_dynamic_tree(model, head, num_speculative_tokens, backend=backend,
-                                                               freeze=freeze, autotune=autotune)
-            except Exception as e:  # noqa: BLE001 - a size is an optimisation: keep the default, say why
-                warnings.warn(f"specgraph: could not measure this machine's tree costs ({type(e).__name__}: {e}); "
-                              f"using {learned.EAGLE_TREE_NODES} nodes", stacklevel=3)
-            if self.tree_choice is not None:
-                num_speculative_tokens, self.tree_nodes = self.tree_choice["depth"], self.tree_choice["nodes"]
-                if self.tree_choice["predicted_speedup"] < 1.0 + TREE_GAIN_MARGIN:
-                    # dynamic trees have no per-round off switch (num_speculative_tokens="auto" gates
-                    # chains only): say so rather than serve a predicted slowdown without a word
-                    warnings.warn(
-                        f"specgraph: on this machine the best EAGLE tree (depth {self.tree_choice['depth']}, "
-                        f"{self.tree_choice['nodes']} nodes) is predicted at "
-                        f"{self.tree_choice['predicted_speedup']:.2f}x a plain step: speculation may not pay here; "
-                        "draft=None compiles plain decoding (fast.tree_choice has the measurements)", stacklevel=3)
-        if max_batch_size < 1 or max_seq_len < 2:
-            raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
-        if model.training:
-            raise ValueError("put the model in eval mode first (model.eval())")
+        cfg = self.config = resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
+                                           max_seq_len, freeze, autotune, tree_nodes)
+        head, draft_model = cfg.head, cfg.draft_model
         self.model = model
-        self.draft = draft
-        self.draft_model = draft_model
+        self.draft, self.draft_model = cfg.draft, cfg.draft_model
+        self.suffix_index, self.chain_drafter = cfg.suffix_index, cfg.chain_drafter
+        self.tree, self.tree_rank, self.tree_nodes, self.tree_choice = cfg.tree, cfg.tree_rank, cfg.tree_nodes, cfg.tree_choice
         self.dynamic_tree = self.tree == "dynamic"
-        self.k = 0 if draft is None else (
-            self.tree.max_depth if isinstance(self.tree, TreeSpec) else num_speculative_tokens)
-        # cache slots one round writes: the root + K chain drafts, or the tree's nodes
-        if self.tree is None:
-            self.span = self.k + 1
-        else:
-            self.span = 1 + max(SUFFIX_TREE_SIZES) if self.dynamic_tree else self.tree.num_nodes
-        # model-free chains move between these depths (one compiled graph each), see _next_k
-        model_free = draft in ("ngram", "suffix", "custom")
-        self.k_ladder = default_ladder(self.k) if model_free else [self.k]
+        self.k, self.span, self.k_ladder = cfg.k, cfg.span, cfg.k_ladder
         self._lock = threading.RLock()  # one generate at a time per object (shared KV caches)
         # chooses each round's chain depth when set (num_speculative_tokens="auto": specgraph.adaptive)
         self.policy = None
-        self.backend = backend
-        self.freeze = bool(freeze)
+        self.backend, self.freeze, self.autotune = cfg.backend, cfg.freeze, cfg.autotune
+        self.max_batch_size, self.max_seq_len, self.slots = cfg.max_batch_size, cfg.max_seq_len, cfg.slots
         # frozen graphs each copy their weights: a process-wide budget (specgraph.freezing) decides
         # per graph; graph_frozen records what each compiled graph got
         self.graph_frozen: dict[str, bool] = {}
         self._frozen_account: dict = {}
         FREEZE_BUDGET.track(self, self._frozen_account)
-        self.autotune = bool(autotune)
-        self.max_batch_size = max_batch_size
-        self.max_seq_len = max_seq_len
-        self.slots = max_seq_len + 1  # + scratch slot
         self.stats = Stats()
         self.draft_processors = (None, ())  # (LogitsSpec, state) of the running call
         self.fallback_reason = None
@@ -596,34 +717,6 @@ class SpecGraphModel:
                 raise ValueError(f"cannot compile this target/draft pair: {e}") from e
             self.fallback_reason = str(e)
             warnings.warn(f"specgraph: cannot rewrite this model ({e}); falling back to the eager path", stacklevel=4)
-
-    @staticmethod
-    def _parse_tree(tree, draft):
-        """(TreeSpec, rank per node) for ``tree`` = list of paths (Medusa-style ranks), or (None, None)."""
-        if tree is None:
-            return None, None
-        if draft is None:
-            raise ValueError("tree= needs a draft ('ngram' or a draft model): plain decoding has nothing to branch on")
-        if draft == "custom":
-            raise ValueError("a ChainDrafter proposes chains: use tree=None")
-        if isinstance(tree, str):
-            if tree == "dynamic":
-                if draft in ("suffix", "eagle"):
-                    return "dynamic", None
-                raise ValueError(
-                    "tree='dynamic' needs a drafter that scores its own nodes (draft='suffix' or an EAGLE head); for "
-                    "'ngram' and draft models pass a static tree as a list of paths, e.g. [(0,), (1,), (0, 0), (0, 0, 0)]"
-                )
-            raise ValueError(f"tree must be None, a list of paths or 'dynamic', got {tree!r}")
-        if draft == "suffix":
-            raise ValueError("draft='suffix' builds its own trees: use tree='dynamic' (or tree=None for a chain)")
-        try:
-            spec, rank = tree_from_paths(tree)
-        except TypeError as e:
-            raise ValueError(f"tree must be a list of paths (tuples of ranks), got {tree!r}") from e
-        if draft == "ngram" and int(rank.max()) >= NGRAM_TREE_MATCHES:
-            raise ValueError(f"prompt-lookup trees rank at most {NGRAM_TREE_MATCHES} candidates per node; got rank {int(rank.max())}")
-        return spec, rank.tolist()
 
     # ------------------------------------------------------------------------------------------
     # precompiled graphs
@@ -1020,53 +1113,14 @@ class SpecGraphModel:
 
     def tree_round_function(self, B: int, params: SamplingParams, shape: tuple[int, int, int],
                             extras: "RoundExtras | None" = None, max_batch: int | None = None):
-        """The uncompiled tree round of :meth:`_tree_round_fn`, taking the attended slots [W] (or
-        an int width) first. ``max_batch``: as :meth:`round_function`."""
-        S, window = self.slots, self.window
-        N, C, D = shape
-        step = self._step(B, N, max_batch=max_batch)
-        hid = self.learned is not None
-        spec = None if extras is None else extras.logits
-        want_scores = extras is not None and extras.scores
-        top_n = -1 if extras is None else extras.logprobs
-        n_proc = 0 if spec is None else 2
-
-        def along(t, path_nodes):  # rows of t [B, N, X] at the accepted path's nodes [B, D+1]
-            return t.gather(1, path_nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, t.shape[2]))
-
-        def verify_and_compact(cols, root, L, active, tree_tokens, parents, noise, temperature, rest):
-            proc, kv = rest[:n_proc], rest[n_proc:]
-            logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
-                                                        cols, window, hidden=True)
-            processed = logits if spec is None else process_logits(
-                spec, logits, *proc, L, *tree_paths(tree_tokens, parents, D))
-            path_tokens, n, path_nodes = verify_tree_with_noise(
-                processed if temperature is None else scaled_logits(processed, temperature), None, ids, children, D,
-                noise, 1.0 if noise is not None else 0.0, params.top_k, params.top_p, params.min_p,
-            )
-            compact_path(kv, L, path_nodes, n, active, S - 1)
-            out = (path_tokens, n, path_nodes)
-            if want_scores:
-                out = (*out, along(processed, path_nodes), along(logits, path_nodes))
-            if top_n >= 0:
-                x = along(processed, path_nodes)
-                x = x if temperature is None else scaled_logits(x, temperature)
-                out = (*out, *token_logprobs(x, path_tokens, top_n, temperature is not None, params.top_k,
-                                             params.top_p, params.min_p))
-            # head drafters read the target's features along the accepted path [B, D+1, H]
-            return (*out, along(hidden, path_nodes)) if hid else out
-
-        # cols [W] attended slots, root [B], L [B], active [B] bool, accept_u [B, N, C], expo [B, N, V]
-        # (or [B, N, 1] when greedy), tree_tokens [B, N] (root entry ignored), parents [B, N] (-1 root)
-        if params.greedy:
-            def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, *rest):
-                return verify_and_compact(cols, root, L, active, tree_tokens, parents, None, None, rest)
-        else:
-            def tree_round_fn(cols, root, L, active, accept_u, expo, tree_tokens, parents, temperature, *rest):
-                return verify_and_compact(cols, root, L, active, tree_tokens, parents, (accept_u, expo), temperature,
-                                          rest)
-
-        return tree_round_fn
+        """The uncompiled tree round of :meth:`_tree_round_fn` (:func:`tree_round` around this
+        object's captured step), taking the attended slots [W] (or an int width) first.
+        ``max_batch``: as :meth:`round_function`."""
+        return tree_round(self._step(B, shape[0], max_batch=max_batch), shape, self.slots, self.window, params,
+                          spec=None if extras is None else extras.logits,
+                          want_scores=extras is not None and extras.scores,
+                          top_n=-1 if extras is None else extras.logprobs,
+                          with_features=self.learned is not None)
 
     def _compact_fn(self, B: int, which: str):
         key = ("compact", which, B)

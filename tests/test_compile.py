@@ -796,3 +796,19 @@ def test_attended_width_minimum_is_per_device(llama):
     assert sg_compiler.attend_width(300, 2048, 256, 64) == 320 and sg_compiler.attend_width(200, 2048, 256, 64) == 256
     fast = specgraph.compile(llama, backend="eager", max_seq_len=1024)
     assert fast.width_step == sg_compiler.WIDTH_STEP and fast.round_width(300) == 320
+
+
+def test_compile_resolves_its_settings_into_one_config(llama):
+    """resolve_config: compile's arguments resolved once (fast.config); bad ones refused there."""
+    fast = specgraph.compile(llama, "suffix", num_speculative_tokens=6, backend="eager", max_batch_size=2,
+                             max_seq_len=64, cache=False)
+    c = fast.config
+    assert (c.draft, c.k, c.k_ladder, c.span, c.slots, c.max_batch_size) == ("suffix", 6, [4, 6], 7, 65, 2)
+    assert c.suffix_index is fast.suffix_index and c.suffix_index is not None and c.chain_drafter is None
+    assert (fast.k, fast.k_ladder, fast.span, fast.slots) == (c.k, c.k_ladder, c.span, c.slots)
+    tree = sg_compiler.resolve_config(llama, "ngram", 4, [(0,), (1,), (0, 0)], "eager", 1, 64)
+    assert (tree.k, tree.span, tree.tree_rank) == (2, 4, [-1, 0, 1, 0])
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        sg_compiler.resolve_config(llama, "ngram", 0, None, "eager", 1, 64)
+    with pytest.raises(ValueError, match="draft='suffix' builds its own trees"):
+        sg_compiler.resolve_config(llama, "suffix", 4, [(0,)], "eager", 1, 64)
