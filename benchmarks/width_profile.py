@@ -42,7 +42,7 @@ def round_inputs(fast, B: int, k: int, width: int):
     """Greedy round inputs with every row's committed length as long as ``width`` allows."""
     L = torch.full((B,), width - fast.span - 1, dtype=torch.long)
     return (torch.zeros(B, dtype=torch.long), L, torch.ones(B, dtype=torch.bool), torch.zeros(B, k),
-            torch.ones(B, k + 1, 1), torch.zeros(B, k, dtype=torch.long), torch.zeros(B, k), *fast.cache(B))
+            torch.ones(B, k + 1, 1), torch.zeros(B, k, dtype=torch.long), torch.zeros(B, k), *fast.kv_cache(B))
 
 
 def static_graph(fast, B: int, k: int, width: int):

@@ -213,7 +213,7 @@ class DepthPolicy:
             self._draft_valid[b] = hi
         pos, valid = pos.to(hist.device), valid.to(hist.device)
         ids = hist.gather(1, pos)  # hist holds every committed token up to the root
-        prefill_logits(fast._eager_draft_step, ids, pos, valid, fast.cache(self.batch, "draft"), fast.slots,
+        prefill_logits(fast._eager_draft_step, ids, pos, valid, fast.kv_cache(self.batch, "draft"), fast.slots,
                        fast.draft_window)
 
 

@@ -511,11 +511,13 @@ TREE_GAIN_MARGIN = 0.05
 
 @dataclass
 class EngineConfig:
-    """What :func:`compile` was asked, resolved and validated: the settings a compiled object runs."""
+    """What :func:`compile` was asked, resolved and validated: the settings a compiled object is
+    built with. ``k`` and ``k_ladder`` are the depths at construction: ``set_depths`` and
+    ``num_speculative_tokens="auto"`` move the object's own ``fast.k`` / ``fast.k_ladder`` later,
+    and the cache slots a round writes (``fast.span``) also depend on a head drafter's tree size."""
     draft: str | None  # None (plain decoding), "ngram", "suffix", "custom", "model", "eagle" or "medusa"
     k: int  # tokens drafted per chain round (a static tree's depth; 0 for plain decoding)
     k_ladder: list[int]  # the chain depths model-free drafters move between (one graph each)
-    span: int  # cache slots one round writes: the root and k chain drafts, or the tree's nodes
     tree: "TreeSpec | str | None"  # a static tree, "dynamic", or None (chains)
     tree_rank: list[int] | None  # a static tree's node ranks
     tree_nodes: int | None  # drafted nodes per EAGLE-2 dynamic tree
@@ -602,12 +604,8 @@ def resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batc
     if model.training:
         raise ValueError("put the model in eval mode first (model.eval())")
     k = 0 if draft is None else (tree.max_depth if isinstance(tree, TreeSpec) else num_speculative_tokens)
-    if tree is None:
-        span = k + 1
-    else:
-        span = 1 + max(SUFFIX_TREE_SIZES) if tree == "dynamic" else tree.num_nodes
     model_free = draft in ("ngram", "suffix", "custom")  # their chains move between depths, see next_k
-    return EngineConfig(draft, k, default_ladder(k) if model_free else [k], span, tree, tree_rank, tree_size,
+    return EngineConfig(draft, k, default_ladder(k) if model_free else [k], tree, tree_rank, tree_size,
                         tree_choice, backend, bool(freeze), bool(autotune), max_batch_size, max_seq_len, draft_model,
                         head, suffix_index, chain_drafter)
 
@@ -654,7 +652,13 @@ class SpecGraphModel:
         self.suffix_index, self.chain_drafter = cfg.suffix_index, cfg.chain_drafter
         self.tree, self.tree_rank, self.tree_nodes, self.tree_choice = cfg.tree, cfg.tree_rank, cfg.tree_nodes, cfg.tree_choice
         self.dynamic_tree = self.tree == "dynamic"
-        self.k, self.span, self.k_ladder = cfg.k, cfg.span, cfg.k_ladder
+        self.k, self.k_ladder = cfg.k, cfg.k_ladder
+        # cache slots one round writes: the root + k chain drafts, or the tree's nodes (a head
+        # drafter's dynamic trees: its own size, below)
+        if self.tree is None:
+            self.span = self.k + 1
+        else:
+            self.span = 1 + max(SUFFIX_TREE_SIZES) if self.dynamic_tree else self.tree.num_nodes
         self._lock = threading.RLock()  # one generate at a time per object (shared KV caches)
         # chooses each round's chain depth when set (num_speculative_tokens="auto": specgraph.adaptive)
         self.policy = None
@@ -828,15 +832,15 @@ class SpecGraphModel:
         args, _ = example_inputs(self, g, vocab)  # with the processors' state when the round has processors
         extras = None if g.logits is None else RoundExtras(g.logits)
         if g.kind == "round":
-            self._round_fn(g.batch, params, width, g.depth, extras)(*args, *self.cache(g.batch))
+            self._round_fn(g.batch, params, width, g.depth, extras)(*args, *self.kv_cache(g.batch))
         elif g.kind == "tree":
-            self._tree_round_fn(g.batch, params, width, g.tree, extras)(*args, *self.cache(g.batch))
+            self._tree_round_fn(g.batch, params, width, g.tree, extras)(*args, *self.kv_cache(g.batch))
         elif g.kind == "draft":
-            self.draft_graph(g.batch, g.depth, params, width)(*args, *self.cache(g.batch, "draft"))
+            self.draft_graph(g.batch, g.depth, params, width)(*args, *self.kv_cache(g.batch, "draft"))
         elif g.kind == "draft_tree":
-            self.draft_tree_graph(g.batch, g.depth, width)(*args, *self.cache(g.batch, "draft"))
+            self.draft_tree_graph(g.batch, g.depth, width)(*args, *self.kv_cache(g.batch, "draft"))
         elif g.kind == "compact":
-            self._compact_fn(g.batch, "draft")(*args, *self.cache(g.batch, "draft"))
+            self._compact_fn(g.batch, "draft")(*args, *self.kv_cache(g.batch, "draft"))
         else:
             raise ValueError(f"graph kind {g.kind!r} is not built by warmup")
 
@@ -1032,11 +1036,6 @@ class SpecGraphModel:
         each tensor: contiguous, so the round's writes land in it)."""
         return self._round_fn(B, params, width, k, extras)
 
-    def kv_cache(self, B: int) -> list[torch.Tensor]:
-        """The target's KV cache for batch bucket ``B``: 2 x layers tensors [B, kv heads, slots,
-        head dim]; slot ``slots - 1`` is the scratch slot inactive rows write to."""
-        return self.cache(B)
-
     def round_width(self, need: int) -> int:
         """The attended width of a round whose live rows need ``need`` slots."""
         return attend_width(need, self.slots, self.min_attend, self.width_step)
@@ -1184,10 +1183,12 @@ class SpecGraphModel:
         depth = spec.depth.tolist()
         return [[i for i in range(spec.num_nodes) if depth[i] == d and has_kids[i]] for d in range(spec.max_depth)]
 
-    def cache(self, B: int, which: str = "target"):
-        """The KV cache of batch bucket B. On the CPU every bucket is a view of the first B rows of
-        the largest bucket's cache (one allocation: the loop prefills a row before it reads it);
-        on CUDA each bucket has its own tensors, at addresses fixed for its recorded graphs."""
+    def kv_cache(self, B: int, which: str = "target") -> list[torch.Tensor]:
+        """The KV cache of batch bucket B, the target's or (``which="draft"``) the draft model's: 2 x
+        layers tensors [B, kv heads, slots, head dim]; slot ``slots - 1`` is the scratch slot
+        inactive rows write to. On the CPU every bucket is a view of the first B rows of the
+        largest bucket's cache (one allocation: the loop prefills a row before it reads it); on
+        CUDA each bucket has its own tensors, at addresses fixed for its recorded graphs."""
         key = (which, B)
         if key not in self._kv:
             model = self.model if which == "target" else self.draft_model
@@ -1195,7 +1196,7 @@ class SpecGraphModel:
             if on_cuda or B >= self.max_batch_size:
                 self._kv[key] = new_kv_cache(model, B, self.slots)
             else:
-                self._kv[key] = [t[:B] for t in self.cache(self.max_batch_size, which)]
+                self._kv[key] = [t[:B] for t in self.kv_cache(self.max_batch_size, which)]
             if on_cuda and self.backend == "inductor":
                 for t in self._kv[key]:  # fixed addresses: mutated inside recorded CUDA graphs
                     torch._dynamo.mark_static_address(t)
@@ -1349,7 +1350,7 @@ class SpecGraphModel:
         n_rows = len(rows)
         B = _bucket(n_rows, self.max_batch_size)
         S = self.slots
-        kv = self.cache(B)
+        kv = self.kv_cache(B)
         start = time.perf_counter()
         # the logits processors' view of each row (padding included), and what the host checks stop on
         proc = () if req.logits is None else self._processor_state(input_ids, attention_mask, rows, req, B, device)
@@ -1450,7 +1451,7 @@ class SpecGraphModel:
         tokens, n, path_nodes, *rest = self._tree_round_fn(B, params, width, shape, extras)(
             root, L, active, accept_u, expo, tree_tokens, parents, *temp, *proc, *kv)
         if self.draft == "model":  # the draft cache holds the fed tree nodes at their tree slots too
-            self._compact_fn(B, "draft")(L, path_nodes, n, active, *self.cache(B, "draft"))
+            self._compact_fn(B, "draft")(L, path_nodes, n, active, *self.kv_cache(B, "draft"))
         return (tokens, n, *rest)
 
     def prefill_rows(self, B, rows, kv, device, which):

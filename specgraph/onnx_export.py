@@ -135,9 +135,8 @@ class VerifyRound(torch.nn.Module):
     def __init__(self, step, k: int, slots: int, window, sample: bool, top_k=None, top_p=None, min_p=None,
                  use_q: bool = False):
         super().__init__()
-        self.step = step
-        self.k, self.slots, self.window, self.sample = k, slots, window, sample
-        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
+        self.step = step  # a submodule: the round below calls it
+        self.k, self.slots, self.sample = k, slots, sample
         self.use_q = bool(use_q and sample and k > 0)
         params = SamplingParams(1.0, top_k, top_p, min_p) if sample else SamplingParams(0.0)
         self.round = chain_round(step, k, slots, window, params, use_q=self.use_q, want_scores=True)

@@ -262,7 +262,7 @@ def measure_round_costs(fast, batch_sizes, grid, context: int, repeats: int = 5,
     calls = {}  # (B, N) -> a call of that shape's round on fixed random inputs
     total = len(batch_sizes) * len(grid)
     for B in batch_sizes:
-        kv = fast.cache(B)
+        kv = fast.kv_cache(B)
         for N in grid:
             k = N - 1
             fn = fast._round_fn(B, params, width, k)
@@ -300,7 +300,7 @@ def measure_draft_costs(fast, batch_sizes, context: int, repeats: int = 5, progr
     for B in batch_sizes:
         if fast.draft == "model":
             fn = fast.draft_graph(B, 1, SamplingParams(0.0), width)
-            kv = fast.cache(B, "draft")
+            kv = fast.kv_cache(B, "draft")
             tok = torch.randint(V, (B, 1), generator=g).to(device)
             last = torch.full((B,), context, dtype=torch.long, device=device)
             active = torch.ones(B, dtype=torch.bool, device=device)

@@ -900,7 +900,7 @@ def test_cost_curve_builds_every_shape_before_timing_them_in_turn():
         model.get_output_embeddings = lambda: Fake.model
         slots, min_attend, width_step = 64, None, None
 
-        def cache(self, B):
+        def kv_cache(self, B):
             return ()
 
         def _round_fn(self, B, params, width, k):

@@ -225,7 +225,7 @@ def test_loaded_package_mutates_the_kv_cache_in_place(compiled, src):
                               max_seq_len=MAX_SEQ)
     ref_fn = eager._round_fn(1, params, MAX_SEQ + 1, 2)
     torch.manual_seed(0)
-    kv = [torch.randn_like(t) for t in ld.fast.cache(1)]
+    kv = [torch.randn_like(t) for t in ld.fast.kv_cache(1)]
     orig = [t.clone() for t in kv]
     kv_ref = [t.clone() for t in kv]
     args = (torch.tensor([5]), torch.tensor([9]), torch.tensor([True]), torch.zeros(1, 2), torch.ones(1, 3, 1),

@@ -686,7 +686,7 @@ def test_cache_fill_step_writes_the_same_cache_without_the_prompt_logits(llama):
     pos = torch.arange(5).expand(2, 5).contiguous()
     caches, outs = [], []
     for step in (Step(llama), fast._fill_step):
-        kv = [torch.zeros_like(t) for t in fast.cache(2)]
+        kv = [torch.zeros_like(t) for t in fast.kv_cache(2)]
         with torch.no_grad():
             outs.append(sg_compiler.prefill_logits(step, ids, pos, valid, kv, fast.slots, fast.window, hidden=True))
         caches.append(kv)
@@ -700,7 +700,7 @@ def test_cache_fill_step_writes_the_same_cache_without_the_prompt_logits(llama):
     attended = []
     step = fast._fill_step
     fast._fill_step = lambda ids, pos, mask, slots, *kv: attended.append(mask.shape[-1]) or step(ids, pos, mask, slots, *kv)
-    kv = [torch.zeros_like(t) for t in fast.cache(2)]
+    kv = [torch.zeros_like(t) for t in fast.kv_cache(2)]
     fast.prefill_rows(2, rows, kv, "cpu", "target")
     assert attended == [6] and fast.slots > 6
     for a, b in zip(kv, caches[0]):
@@ -803,11 +803,11 @@ def test_compile_resolves_its_settings_into_one_config(llama):
     fast = specgraph.compile(llama, "suffix", num_speculative_tokens=6, backend="eager", max_batch_size=2,
                              max_seq_len=64, cache=False)
     c = fast.config
-    assert (c.draft, c.k, c.k_ladder, c.span, c.slots, c.max_batch_size) == ("suffix", 6, [4, 6], 7, 65, 2)
+    assert (c.draft, c.k, c.k_ladder, fast.span, c.slots, c.max_batch_size) == ("suffix", 6, [4, 6], 7, 65, 2)
     assert c.suffix_index is fast.suffix_index and c.suffix_index is not None and c.chain_drafter is None
-    assert (fast.k, fast.k_ladder, fast.span, fast.slots) == (c.k, c.k_ladder, c.span, c.slots)
+    assert (fast.k, fast.k_ladder, fast.slots) == (c.k, c.k_ladder, c.slots)
     tree = sg_compiler.resolve_config(llama, "ngram", 4, [(0,), (1,), (0, 0)], "eager", 1, 64)
-    assert (tree.k, tree.span, tree.tree_rank) == (2, 4, [-1, 0, 1, 0])
+    assert (tree.k, tree.tree.num_nodes, tree.tree_rank) == (2, 4, [-1, 0, 1, 0])
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         sg_compiler.resolve_config(llama, "ngram", 0, None, "eager", 1, 64)
     with pytest.raises(ValueError, match="draft='suffix' builds its own trees"):

@@ -30,12 +30,12 @@ class DraftModelProposer(Proposer):
 
     def start(self, call: CallStart) -> None:
         e = self.engine
-        e.prefill_rows(call.batch, call.rows, e.cache(call.batch, "draft"), call.device, "draft")
+        e.prefill_rows(call.batch, call.rows, e.kv_cache(call.batch, "draft"), call.device, "draft")
 
     def propose(self, view: RoundView, k: int) -> ChainProposal:
         """k draft-model steps: drafts [B, k] and, when sampling, the q rows they were drawn from [B, k, V]."""
         e, B, device = self.engine, view.batch, view.hist.device
-        kv = e.cache(B, "draft")
+        kv = e.kv_cache(B, "draft")
         prev = view.hist.gather(1, (view.L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
         tokens, last = torch.stack([prev, view.root], dim=1), view.L
         drafts, probs = [], []
@@ -63,7 +63,7 @@ class DraftModelProposer(Proposer):
         shape = (N, spec.children.shape[1], spec.max_depth)
         device = view.hist.device
         parents = spec.parents.to(device).expand(B, N)
-        kv = e.cache(B, "draft")
+        kv = e.kv_cache(B, "draft")
         prev = view.hist.gather(1, (view.L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
         tokens = torch.zeros(B, N, dtype=torch.long, device=device)
         tokens[:, 0] = view.root
