@@ -10,7 +10,8 @@ Protocol (one JSON object per line; the helper's stdout carries nothing else):
     parent -> helper   {"model_dir", "model_class", "dtype", "attn_implementation", "settings",
                         "folder", "digest", "min_attend"}
     helper -> parent   {"ready": true} | {"error": "..."}
-    parent -> helper   {"graph": {GraphSpec fields}, "frozen": bool}      (repeated)
+    parent -> helper   {"graph": {GraphSpec fields}, "frozen": bool, "nice": n}      (repeated;
+                       n > 0: build at that CPU niceness from now on, beside a serving parent)
     helper -> parent   {"built": name, "seconds": s} | {"error": "...", "export": bool}
 
 The helper rebuilds the compiled object from the model the parent saved (``save_pretrained``)
@@ -81,6 +82,8 @@ def serve(inp, out) -> int:
     for line in inp:
         req = json.loads(line)
         g = GraphSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in req["graph"].items()})
+        if req.get("nice", 0) > 0 and hasattr(os, "nice") and os.nice(0) < req["nice"]:
+            os.nice(req["nice"] - os.nice(0))  # background work: the parent process answers requests now
         t0 = time.perf_counter()
         try:
             with torch.no_grad():

@@ -745,7 +745,7 @@ def cmd_serve(args) -> int:
                       top_k=settings["top_k"], top_p=settings["top_p"], min_p=settings["min_p"],
                       served_model_name=args.served_model_name, modes=settings["modes"], threads=args.threads,
                       progress=not args.quiet, speculation=_speculation_arg(args.speculation, args),
-                      prefix_cache_mb=args.prefix_cache_mb)
+                      prefix_cache_mb=args.prefix_cache_mb, refine=args.refine)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -1213,6 +1213,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--min-p", type=float, default=None, help="min-p compiled into the sampling graphs (default: the model's)")
     sv.add_argument("--modes", type=lambda v: tuple(_csv(v, "--modes", ("greedy", "sample"))), default=None,
                     help="sampling lanes to build: greedy (temperature 0) and/or sample (default: both)")
+    sv.add_argument("--refine", default="auto", choices=["auto", "now", "background"],
+                    help="MODEL only: when the graphs of batch buckets above 1 are built. auto (default): with a "
+                         "build helper process (2+ cores, models of >= 20M parameters) the port opens once the "
+                         "batch-1 graphs are built and the rest arrive in the background, those buckets running "
+                         "row by row meanwhile; now: all before the port opens")
     sv.add_argument("--served-model-name", default=None, help="the model id the API reports (default: MODEL)")
     sv.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     sv.add_argument("--ray-replicas", type=int, default=None, metavar="N",

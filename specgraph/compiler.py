@@ -739,6 +739,18 @@ class SpecGraphModel:
         self._bound = {}
         self._prefill_graph = prefill
 
+    def refresh_graphs(self) -> list[int]:
+        """Adopt graphs that finished building in the background since the last call (the graph
+        cache's static graphs of the small batch buckets, :mod:`specgraph.graphcache`): asked of
+        the :meth:`use_graphs` mapping when it has a ``refresh()``. ``generate`` calls it before
+        each call and a server between rounds, never inside a round. Returns the batch buckets
+        whose graphs changed (empty: none)."""
+        refresh = getattr(self._fns, "refresh", None)
+        changed = [] if refresh is None else refresh()
+        if changed:
+            self._bound = {}
+        return changed
+
     def graphs_in_use(self):
         """The mapping given to :meth:`use_graphs` (graphs built here are added to it), or this
         object's own graphs."""
@@ -1293,6 +1305,7 @@ class SpecGraphModel:
             if self.fallback_reason is not None:
                 new, scores = self._generate_eager(rows, req, generator, stream), None
             else:
+                self.refresh_graphs()
                 new, scores = self._generate_compiled(rows, req, generator, stream, input_ids, attention_mask)
                 self.proposer.finish(rows, new)
         sequences = assemble_output(input_ids, new, req.pad_token_id)

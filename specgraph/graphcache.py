@@ -15,6 +15,13 @@ their own (:func:`specgraph.graphset.with_dynamic_batch`): per (mode, depth) two
 packages instead of one per bucket. A model whose code fixes its batch fails that export; the
 folder records it (``.static``) and holds a package per bucket instead.
 
+Batch 1 first. The batch-1 packages alone can serve every request: a round of B rows is B
+rounds of one row, each on its row of the cache (:class:`RowSplit`: the same graph, the same
+inputs row by row, so the same tokens). So ``refine="background"`` builds the batch-1
+packages, returns, and leaves the others to the helper process, at a lower CPU priority; each
+is adopted between calls (:meth:`CachedGraphs.refresh`) as it arrives, and until then its
+buckets run row by row. Nothing is compiled on the request path either way.
+
 Modes. With both modes a chain round is one package for greedy and sampled rows
 (``round_b1_k4_any``: a row at temperature 0 is verified greedily,
 :func:`specgraph.graphset.with_merged_modes`), half the packages of one per mode.
@@ -45,6 +52,7 @@ the CPU are packaged; other objects build their graphs with the JIT (:meth:`Spec
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -78,6 +86,7 @@ ENV_ROOT = "SPECGRAPH_GRAPH_CACHE"
 DISK_MARGIN_BYTES = 1 << 30  # left free on the cache's disk
 ENV_HELPER = "SPECGRAPH_BUILD_HELPER"  # off: never build in a helper process; on: whenever possible
 HELPER_MIN_PARAMS = 20_000_000  # by default a helper builds beside the process for models this large
+REFINE_NICENESS = 10  # the helper's CPU priority (nice) once it builds refinements beside a serving process
 _OFF = ("0", "off", "false", "no")  # values of $SPECGRAPH_GRAPH_CACHE that turn the default off
 
 
@@ -154,6 +163,42 @@ class CachedGraphs(dict):
         super().__init__()
         self.packages = packages  # packages.package_key(...) -> Package
         self.sampling = sampling  # the filters baked into the sampling packages
+        self.refiners: list[_Work] = []  # graphs being built in the background, adopted by refresh()
+        self._answered: set = set()  # keys answered from self.packages (dropped when a graph arrives)
+
+    def refresh(self) -> list[int]:
+        """Adopt the graphs that background builds finished since the last call (each replaces
+        the row-by-row rounds of its buckets); returns the batch buckets whose graphs changed
+        (empty: none arrived). The caller drops what it bound to the old ones. Called by the
+        engine between calls and rounds."""
+        arrived = [staged for work in self.refiners for staged in work.arrived()]
+        if not arrived:
+            return []
+        for staged in arrived:
+            self.packages.update(staged)
+        for key in self._answered:
+            dict.pop(self, key, None)
+        self._answered.clear()
+        return sorted({key[1] for staged in arrived for key in staged})
+
+    def row_by_row(self, batch: int) -> bool:
+        """Whether some round of ``batch`` rows runs row by row on the batch-1 packages (its own
+        is still being built, or was given up)."""
+        return bool(self.refiners) and batch > 1 and any(
+            (k[0], batch, *k[2:]) not in self.packages for k in self.packages if k[1] == 1)
+
+    def refining(self) -> int:
+        """Graphs still being built in the background (not counting those waiting for refresh())."""
+        return sum(work.remaining() for work in self.refiners)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the background builds end (built, or given up with a warning); True when
+        none is left. The engine adopts what they built at its next call (or :meth:`refresh`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for work in self.refiners:
+            if work.helper is not None:
+                work.helper.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return all(work.helper is None or not work.helper.busy() for work in self.refiners)
 
     def __contains__(self, key) -> bool:
         if dict.__contains__(self, key):
@@ -169,15 +214,23 @@ class CachedGraphs(dict):
             logits = extras.logits
         if not params.greedy and params != self.sampling:
             return False
-        pkg = self.packages.get(package_key(kind, batch, shape, "greedy" if params.greedy else "sample", logits))
+        mode = "greedy" if params.greedy else "sample"
+        pkg = self.packages.get(package_key(kind, batch, shape, mode, logits))
+        if pkg is None and batch > 1 and self.refiners:  # built in the background (or given up): batch 1, row by row
+            one = self.packages.get(package_key(kind, 1, shape, mode, logits))
+            pkg = None if one is None else RowSplit(one)
         if pkg is None:
             return False
         self[key] = pkg
+        self._answered.add(key)
         return True
 
 
+REFINE = ("auto", "now", "background")
+
+
 def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=None,
-                  dynamic_batch: bool = True, merge_modes: bool = True) -> dict | None:
+                  dynamic_batch: bool = True, merge_modes: bool = True, refine: str = "now") -> dict | None:
     """Serve ``fast``'s graph set (:meth:`SpecGraphModel.graph_plan`) from the cache, building the
     graphs it lacks (or holds corrupt) first. Returns what happened ({"path", "hit", "built",
     "helper_built" (of those, built by a helper process), "loaded", "frozen", "seconds"}), or None
@@ -188,7 +241,14 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     buckets 2 and up share a package per round (:func:`specgraph.graphset.with_dynamic_batch`);
     False: a package per bucket. ``merge_modes``: with both modes, a chain round without logits
     processors is one package for greedy and sampled rows (:func:`specgraph.graphset.with_merged_modes`);
-    False: a package per mode."""
+    False: a package per mode. ``refine`` (the packages of batch buckets above 1, which the
+    batch-1 packages serve row by row meanwhile: :class:`RowSplit`): "now" builds them before
+    returning; "background" after, in the helper process, adopted between calls as they arrive
+    (where no helper process can build, "now", with a warning); "auto": "background" when a
+    helper process builds beside this one, else "now". The result's "refining" counts the
+    graphs still to come."""
+    if refine not in REFINE:
+        raise ValueError(f"refine must be one of {REFINE}, got {refine!r}")
     if unsupported(fast) is not None:
         return None
     t0 = time.perf_counter()
@@ -215,17 +275,52 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
             _register(fast, packages, g, pkg)
     if missing and not _room_for(fast, folder, sum(f for _, f in missing)):
         return None
-    helped = _build(fast, folder, digest, missing, packages, progress) if missing else 0
+    later = [m for m in missing if not _first(m[0])] if refine in ("auto", "background") else []
+    if later and not _wants_helper(fast, missing):
+        if refine == "background":
+            warnings.warn("specgraph: no helper process can build this object's graphs (see SPECGRAPH_BUILD_HELPER); "
+                          "building every batch bucket's graphs now", stacklevel=3)
+        later = []
+    later.sort(key=lambda m: m[0].batches is None)  # the dynamic-batch graphs serve the most buckets
+    now = [m for m in missing if m not in later]
+    work = _build(fast, folder, digest, now, later, packages, progress) if missing else None
     served = fast.graphs_in_use()
     if isinstance(served, CachedGraphs):  # more packages for the same object (another processor setting)
         served.packages.update(packages)
     else:
-        fast.use_graphs(CachedGraphs(packages, fast.default_sampling()))
+        served = CachedGraphs(packages, fast.default_sampling())
+        fast.use_graphs(served)
+    refining = 0 if work is None else work.remaining()
+    if later:
+        served.refiners.append(work)
     # a dynamic-batch package serves several buckets, a package of mode "any" both modes
     loaded = len({id(getattr(p, "package", p)) for p in packages.values()})
-    return {"path": str(folder), "hit": not missing, "built": len(missing), "helper_built": helped, "loaded": loaded,
-            "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan),
-            "seconds": round(time.perf_counter() - t0, 2)}
+    return {"path": str(folder), "hit": not missing, "built": len(missing) - refining,
+            "helper_built": 0 if work is None else work.by_helper, "loaded": loaded, "refining": refining,
+            "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _first(g) -> bool:
+    """Whether graph ``g`` is built before the object serves: the batch-1 graphs (the others'
+    buckets run on them row by row until they arrive)."""
+    return g.batches is None and g.batch == 1
+
+
+class RowSplit:
+    """A round of B rows (a chain or tree round's inputs: the attended slots, then tensors whose
+    first dimension is the batch, the KV caches last) run as B rounds of one row on a batch-1
+    graph, each writing its own row of the cache (a view); the outputs are concatenated row by
+    row. The graph and each row's inputs are those the batch-1 bucket runs, so a row gets the
+    tokens it would get alone."""
+
+    def __init__(self, one):
+        self.one = one  # the batch-1 round (a Package, or GreedyRows over one)
+
+    def __call__(self, cols, *args):
+        rows = [self.one(cols, *(a[i:i + 1] for a in args)) for i in range(args[0].shape[0])]
+        if isinstance(rows[0], torch.Tensor):
+            return torch.cat(rows)
+        return type(rows[0])(torch.cat(parts) for parts in zip(*rows))
 
 
 STALE_SECONDS = 3600  # a build's temporary files older than this belong to a process that died
@@ -339,14 +434,17 @@ def _room_for(fast, folder: Path, n_frozen: int) -> bool:
     return True
 
 
-def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progress: bool) -> int:
+def _build(fast, folder: Path, digest: str, missing: list, later: list, packages: dict, progress: bool) -> "_Work":
     """Package each (graph, frozen) of ``missing`` into ``folder`` and open it into ``packages``,
-    with a helper process building beside this one when :func:`_wants_helper` says it pays;
-    returns how many graphs the helper built. A dynamic-batch graph that fails to export is
-    recorded as such (``<graph>.static``) and replaced by a graph per batch bucket, with a warning."""
+    with a helper process building beside this one when :func:`_wants_helper` says it pays; then
+    leave ``later`` (refinements) to the helper, which goes on after this returns (the returned
+    work's :meth:`_Work.arrived` hands over what it builds). A dynamic-batch graph that fails to
+    export is recorded as such (``<graph>.static``) and replaced by a graph per batch bucket,
+    with a warning."""
     device = next(fast.model.parameters()).device
-    work = _Work(missing, packages, Progress(len(missing), progress, verb="building"))
-    helper = _Helper(fast, folder, digest, work) if _wants_helper(fast, missing) else None
+    work = _Work(missing, later, packages, Progress(len(missing), progress, verb="building"))
+    helper = _Helper(fast, folder, digest, work) if _wants_helper(fast, missing + later) else None
+    work.helper = helper
 
     def build_here(g, frozen) -> None:
         work.bar.start(g.name)
@@ -363,6 +461,7 @@ def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progr
             return
         work.done(fast, g, pkg, time.perf_counter() - t1)
 
+    background = False
     try:
         with torch.no_grad():
             while True:
@@ -373,55 +472,133 @@ def _build(fast, folder: Path, digest: str, missing: list, packages: dict, progr
                     helper.wait(0.5)  # the helper builds the last graphs, and may yet hand one back
                 else:
                     break
-            if helper is not None:
-                helper.close()
-                while (item := work.take()) is not None:  # what it handed back while stopping
+            background = work.settle(helper)
+            if not background:
+                if helper is not None:
+                    helper.close()
+                work.take_back_later()  # the helper is gone: what it handed back, and any refinement left
+                while (item := work.take()) is not None:
                     build_here(*item)
+                for staged in work.arrived():  # refinements it built before stopping
+                    packages.update(staged)
     finally:
-        if helper is not None:
+        if helper is not None and not background:
             helper.close()
         work.bar.close()
-    return work.by_helper
+    return work
 
 
 class _Work:
     """The graphs still to build, shared by this process and its helper: this process takes from
-    the front, the helper from the back; ``in_helper`` counts what the helper holds."""
+    the front of ``todo``, the helper from the back, then (once ``todo`` is empty) the
+    refinements of ``later`` in order; ``in_helper`` counts the ``todo`` graphs the helper holds.
+    A refinement the helper builds is staged for :meth:`arrived`, not registered here: the
+    engine's thread adopts it (:meth:`CachedGraphs.refresh`)."""
 
-    def __init__(self, missing: list, packages: dict, bar: Progress):
-        self.todo, self.packages, self.bar = list(missing), packages, bar
+    def __init__(self, missing: list, later: list, packages: dict, bar: Progress):
+        self.todo, self.later, self.packages, self.bar = list(missing), list(later), packages, bar
         self.lock = threading.Lock()
-        self.in_helper = 0  # graphs the helper is building
+        self.in_helper = 0  # graphs of todo the helper is building
+        self.refining = 0  # refinements the helper is building
         self.by_helper = 0  # graphs the helper built
+        self.helper = None  # the _Helper, if any
+        self._staged: list[dict] = []  # registrations of built refinements, not yet adopted
+        self.settled = False  # this process has stopped building: refinements are the helper's alone
 
-    def take(self, helper: bool = False):
+    def take(self):
+        """The next graph for this process (None: none left)."""
         with self.lock:
-            if not self.todo:
-                return None
-            self.in_helper += helper
-            return self.todo.pop(-1 if helper else 0)
+            return self.todo.pop(0) if self.todo else None
+
+    def take_for_helper(self) -> tuple:
+        """(the next graph for the helper, whether it is a refinement); (None, False): none left."""
+        with self.lock:
+            if self.todo:
+                self.in_helper += 1
+                return self.todo.pop(-1), False
+            if self.later:
+                self.refining += 1
+                return self.later.pop(0), True
+            return None, False
 
     def helper_holds(self) -> bool:
         with self.lock:
             return self.in_helper > 0
 
-    def give_back(self, item) -> None:
-        """A graph the helper took and did not build: this process builds it next."""
+    def remaining(self) -> int:
+        """Refinements not built yet (queued or in the helper)."""
         with self.lock:
-            self.todo.insert(0, item)
-            self.in_helper -= 1
+            return len(self.later) + self.refining
+
+    def give_back(self, item, refinement: bool = False) -> None:
+        """A graph the helper took and did not build: this process builds it next (a refinement
+        goes back to the front of the refinements)."""
+        with self.lock:
+            if refinement:
+                self.later.insert(0, item)
+                self.refining -= 1
+            else:
+                self.todo.insert(0, item)
+                self.in_helper -= 1
+
+    def abandon(self) -> list:
+        """The helper stopped: while this process still builds, it takes the refinements too;
+        afterwards they are dropped (their buckets keep running row by row). Returns those dropped."""
+        with self.lock:
+            left, self.later = self.later, []
+            if not self.settled:
+                self.todo += left
+                self.bar.grow(len(left))
+                return []
+            return left
+
+    def take_back_later(self) -> None:
+        """The refinements not built yet, into this process's list."""
+        with self.lock:
+            self.todo += self.later
+            self.bar.grow(len(self.later))
+            self.later = []
+
+    def settle(self, helper) -> bool:
+        """This process is done building: whether the helper goes on with the refinements."""
+        with self.lock:
+            self.settled = True
+            return helper is not None and helper.busy() and bool(self.later or self.refining)
+
+    def per_bucket(self, fast, folder: Path, g, error: str) -> None:
+        """Refinement ``g``, a dynamic-batch graph, failed to export: recorded as such, and its
+        buckets' static graphs queued in its place."""
+        _write_atomic(folder / f"{g.name}.static", error + "\n")
+        warnings.warn(f"specgraph: {g.name} does not export with a dynamic batch; building a graph per batch bucket "
+                      "instead", stacklevel=2)
+        with self.lock:
+            self.refining -= 1
+            self.later = [(s, fast.reserve_frozen_copy(s.name)) for s in _per_bucket(fast, g)] + self.later
 
     def add(self, items: list) -> None:
         with self.lock:
             self.todo += items
             self.bar.grow(len(items))
 
-    def done(self, fast, g, pkg: Package, seconds: float, helper: bool = False) -> None:
+    def done(self, fast, g, pkg: Package, seconds: float, helper: bool = False, refinement: bool = False) -> None:
         with self.lock:
+            if refinement:
+                staged: dict = {}
+                _register(fast, staged, g, pkg)
+                self._staged.append(staged)
+                self.refining -= 1
+                self.by_helper += 1
+                return
             _register(fast, self.packages, g, pkg)
             self.in_helper -= helper
             self.by_helper += helper
             self.bar.advance(g.name, seconds)
+
+    def arrived(self) -> list[dict]:
+        """The registrations of refinements built since the last call."""
+        with self.lock:
+            out, self._staged = self._staged, []
+            return out
 
 
 def _wants_helper(fast, missing: list) -> bool:
@@ -448,18 +625,21 @@ class _Helper:
     the back of the shared work, builds them into the cache folder, and this process checks and
     opens each package. A graph it fails on goes back to this process; a helper that fails to
     start, or fails on anything but a dynamic-batch export, stops (with a warning) and leaves the
-    rest to this process."""
+    rest to this process, except refinements, which are dropped. It builds refinements at a
+    lower CPU priority (the process it serves is answering requests by then), and is killed
+    when this process exits."""
 
     def __init__(self, fast, folder: Path, digest: str, work: _Work):
         self.fast, self.folder, self.digest, self.work = fast, folder, digest, work
         self.proc, self.stopping = None, threading.Event()
         self.thread = threading.Thread(target=self._run, name="specgraph-build-helper", daemon=True)
         self.thread.start()
+        atexit.register(self.close)
 
     def busy(self) -> bool:
         return self.thread.is_alive()
 
-    def wait(self, seconds: float) -> None:
+    def wait(self, seconds: float | None) -> None:
         self.thread.join(seconds)
 
     def close(self) -> None:
@@ -467,6 +647,7 @@ class _Helper:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
         self.thread.join()
+        atexit.unregister(self.close)
 
     def _run(self) -> None:
         model_dir = Path(tempfile.mkdtemp(dir=self.folder, prefix=".helper-model-"))
@@ -478,8 +659,11 @@ class _Helper:
         except Exception as e:  # noqa: BLE001 - this process builds what the helper did not
             if not self.stopping.is_set():
                 tail = log.read_text()[-2000:] if log.exists() else ""
-                warnings.warn(f"specgraph: the build helper process stopped ({type(e).__name__}: {e}); building the "
-                              f"remaining graphs in this process\n{tail}", stacklevel=2)
+                dropped = self.work.abandon()
+                rest = (f"{len(dropped)} graphs of batch buckets above 1 are not built (those buckets run row by row on "
+                        "the batch-1 graphs)" if dropped else "building the remaining graphs in this process")
+                warnings.warn(f"specgraph: the build helper process stopped ({type(e).__name__}: {e}); {rest}\n{tail}",
+                              stacklevel=2)
         finally:
             if self.proc is not None:
                 try:
@@ -514,21 +698,27 @@ class _Helper:
             raise RuntimeError(reply.get("error", "no answer"))
 
     def _serve(self) -> None:
-        while not self.stopping.is_set() and (item := self.work.take(helper=True)) is not None:
+        while not self.stopping.is_set():
+            item, refinement = self.work.take_for_helper()
+            if item is None:
+                return
             g, frozen = item
             try:
-                self._send({"graph": dataclasses.asdict(g), "frozen": frozen})
+                self._send({"graph": dataclasses.asdict(g), "frozen": frozen, "nice": REFINE_NICENESS * refinement})
                 reply = self._receive()
                 pkg = _open_cached(self.fast, self.folder, g, frozen, self.digest) if "built" in reply else None
             except BaseException:
-                self.work.give_back(item)
+                self.work.give_back(item, refinement)
                 raise
+            if pkg is None and reply.get("export") and refinement:  # the model's code fixes its batch
+                self.work.per_bucket(self.fast, self.folder, g, reply.get("error", ""))
+                continue
             if pkg is None:
-                self.work.give_back(item)
+                self.work.give_back(item, refinement)
                 if reply.get("export"):
                     continue  # this process meets the same export error and records it
                 raise RuntimeError(reply.get("error", f"{g.name}: no usable package"))
-            self.work.done(self.fast, g, pkg, reply["seconds"], helper=True)
+            self.work.done(self.fast, g, pkg, reply["seconds"], helper=True, refinement=refinement)
 
     def _send(self, obj: dict) -> None:
         self.proc.stdin.write(json.dumps(obj) + "\n")

@@ -371,10 +371,10 @@ def test_a_helper_process_builds_beside_the_compiling_one(model, tmp_path, monke
     monkeypatch.setattr(graphcache, "build_package", after_the_helper_started)
     unique = counters["stats"]["unique_graphs"]
     settings = {**SETTINGS, "max_batch_size": 2, "modes": ("greedy",)}
-    fast = specgraph.compile(model, "ngram", cache=tmp_path, **settings)
+    fast = specgraph.compile(model, "ngram", cache=tmp_path, refine="now", **settings)
     info = fast.graph_cache
     folder = Path(info["path"])
-    assert info["built"] == info["loaded"] == 4 and info["helper_built"] >= 1
+    assert info["built"] == info["loaded"] == 4 and info["helper_built"] >= 1 and info["refining"] == 0
     pids = {r["pid"] for r in _records(folder).values()}
     assert os.getpid() in pids and len(pids) == 2  # both processes built packages
     assert not list(folder.glob(".helper-*")) and not list(folder.glob(".build-*"))  # its files are gone
@@ -418,3 +418,61 @@ def test_a_helper_that_fails_leaves_the_graphs_to_this_process(model, tmp_path, 
     assert info["built"] == info["loaded"] == 2 and info["helper_built"] == 0
     assert {r["pid"] for r in _records(Path(info["path"])).values()} == {__import__("os").getpid()}
     assert_rows_equal(model, fast, 2)
+
+
+def test_batch_one_first_and_the_rest_in_the_background(model, tmp_path, monkeypatch):
+    """``refine="background"``: compile returns once the batch-1 packages are built; until the
+    helper's packages arrive, a round of B rows runs as B batch-1 rounds, each on its own cache
+    row (:class:`specgraph.graphcache.RowSplit`), and output equals ``model.generate``; each
+    package is adopted between calls, and nothing is compiled in this process on the way.
+    Negative control: row-by-row rounds fed their neighbour's cache row do not equal it."""
+    from specgraph.warping import SamplingParams
+
+    monkeypatch.setenv(graphcache.ENV_HELPER, "on")
+    unique = counters["stats"]["unique_graphs"]
+    settings = {**SETTINGS, "max_batch_size": 8, "modes": ("greedy",)}
+    fast = specgraph.compile(model, "ngram", cache=tmp_path, refine="background", **settings)
+    info = fast.graph_cache
+    # batch 1 at depths 0 and 2 first; then b4-8_k0, b2-8_k2 and b2_k0 from the helper
+    assert info["built"] + info["refining"] == 5 and info["refining"] >= 1 and info["loaded"] >= 2
+    served = fast.graphs_in_use()
+    key = fast.graph_key("round", 4, SamplingParams(0.0), None, 2)
+    assert key in served and isinstance(dict.__getitem__(served, key), graphcache.RowSplit)
+    with warnings.catch_warnings(), monkeypatch.context() as m:
+        warnings.filterwarnings("error", message="specgraph")  # nothing is built inside generate
+        m.setattr(fast, "refresh_graphs", lambda: [])  # nothing adopted yet: every bucket row by row
+        for B in (2, 3, 6):
+            assert_rows_equal(model, fast, B)
+        kv = 2 * model.config.num_hidden_layers
+
+        def neighbours_row(self, cols, *args):
+            B = args[0].shape[0]
+            rows = [self.one(cols, *(a[i:i + 1] for a in args[:-kv]),
+                             *(t[(i + 1) % B:(i + 1) % B + 1] for t in args[-kv:])) for i in range(B)]
+            return type(rows[0])(torch.cat(p) for p in zip(*rows))
+
+        m.setattr(graphcache.RowSplit, "__call__", neighbours_row)
+        with pytest.raises(AssertionError):
+            assert_rows_equal(model, fast, 3)
+    assert served.wait(timeout=600) and served.refining() == 0
+    assert fast.refresh_graphs() == [2, 4, 8]
+    assert not isinstance(dict.get(served, key), graphcache.RowSplit) and key in served
+    assert served.packages[package_key("round", 4, 2, "greedy")] is served.packages[package_key("round", 8, 2, "greedy")]
+    assert len(list(Path(info["path"]).glob("*.pt2"))) == 5
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="specgraph")
+        for B in (1, 2, 3, 8):
+            assert_rows_equal(model, fast, B)
+    assert counters["stats"]["unique_graphs"] == unique and fast.graphs_built == {}
+    again = specgraph.compile(model, "ngram", cache=tmp_path, refine="background", **settings)
+    assert again.graph_cache["hit"] is True and again.graph_cache["refining"] == 0
+
+
+def test_background_without_a_helper_builds_now_and_says_so(model, tmp_path, monkeypatch):
+    monkeypatch.setenv(graphcache.ENV_HELPER, "off")
+    settings = {**SETTINGS, "max_batch_size": 2, "modes": ("greedy",)}
+    with pytest.warns(UserWarning, match="no helper process can build"):
+        fast = specgraph.compile(model, None, cache=tmp_path, refine="background", **settings)
+    assert fast.graph_cache["built"] == 2 and fast.graph_cache["refining"] == 0
+    with pytest.raises(ValueError, match="refine must be one of"):
+        specgraph.compile(model, None, cache=tmp_path, refine="later", **settings)

@@ -124,19 +124,25 @@ class FixedServingDepth(LoadAwareDepth):
         return self.depth if any(drafted) else 0
 
 
-def measure_costs(engine, repeats: int = 3) -> dict[tuple[int, int], float]:
-    """Time a greedy round of every (batch bucket, depth) of ``engine``'s set, with the engine's
-    extras, on the graph set's placeholder inputs (all rows active: run before any request, while
-    the cache holds none) and give the policy the medians. Returns {(bucket, depth): seconds}."""
+def measure_costs(engine, repeats: int = 3, buckets=None) -> dict[tuple[int, int], float]:
+    """Time a greedy round of every (batch bucket, depth) of ``engine``'s set (``buckets``: of
+    those buckets only), with the engine's extras, on the graph set's placeholder inputs (all
+    rows active: run while the cache holds no request) and give the policy the medians. Returns
+    {(bucket, depth): seconds}."""
     from specgraph.graphset import GraphSpec, batch_buckets, example_inputs
     from specgraph.warping import SamplingParams
 
     fast, out = engine.fast, {}
     width = fast.round_width(fast.min_attend)
+    row_by_row = getattr(fast.graphs_in_use(), "row_by_row", lambda b: False)
     with torch.no_grad():
-        for b in batch_buckets(engine.B):
+        for b in batch_buckets(engine.B) if buckets is None else buckets:
             kv = [t[:b] for t in engine.kv]
             for d in engine.depths:
+                if engine.extras is None and b > 1 and row_by_row(b) and (1, d) in out:  # b rounds of one row until its graph arrives
+                    out[(b, d)] = b * out[(1, d)]
+                    engine.policy.set_cost(b, d, out[(b, d)])
+                    continue
                 fn = fast.round_graph(b, SamplingParams(0.0), width, d, engine.extras)
                 args, _ = example_inputs(fast, GraphSpec("round", b, None, "greedy", d), engine.V)
                 fn(*args, *kv)

@@ -231,6 +231,7 @@ class ServingEngine:
         self._thread: threading.Thread | None = None
         self._running = False
         self._stopping = False
+        self._remeasure: set[int] = set()  # buckets whose graphs changed since the policy's costs were measured
 
     # ------------------------------------------------------------------------------------------
     # requests
@@ -290,7 +291,10 @@ class ServingEngine:
         from specgraph.graphset import Progress
 
         t0 = time.perf_counter()
-        combos = [(b, d, m) for b in batch_buckets(self.B) for d in self.depths for m in modes]
+        # a bucket whose packages are still being built runs the batch-1 ones (no log-probabilities: those rounds are JIT graphs)
+        row_by_row = getattr(self.fast.graphs_in_use(), "row_by_row", lambda b: False)
+        combos = [(b, d, m) for b in batch_buckets(self.B) if self.extras is not None or not row_by_row(b)
+                  for d in self.depths for m in modes]
         bar = Progress(len(combos), progress, verb="building")
         width = self.fast.round_width(self.fast.min_attend)
         with torch.no_grad():
@@ -354,7 +358,9 @@ class ServingEngine:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One scheduler pass: admit, prefill a chunk, run a round, retire."""
+        """One scheduler pass: adopt graphs built in the background, admit, prefill a chunk, run
+        a round, retire."""
+        self._adopt_graphs()
         self._drop_cancelled()
         self._admit()
         self._prefill()
@@ -362,6 +368,15 @@ class ServingEngine:
             self._round()
 
     # ------------------------------------------------------------------------------------------
+
+    def _adopt_graphs(self) -> None:
+        """Take the graphs the graph cache built in the background (the small batch buckets'
+        own), and once no row is decoding, time the rounds of those buckets again for the depth
+        policy (a few ms each: the costs it holds were measured on the graphs they replace)."""
+        self._remeasure.update(self.fast.refresh_graphs())
+        if self._remeasure and not self.rows:
+            measure_costs(self, buckets=sorted(self._remeasure))
+            self._remeasure = set()
 
     def _admit(self) -> None:
         with self._cv:

@@ -31,6 +31,7 @@ class ServeConfig:
     speculation: object = "auto"  # "auto" (depth per round, by load) or a fixed depth (0 = off, or K)
     threads: int | None = None
     progress: bool = True
+    refine: str = "auto"  # specgraph.compile's refine: when the graphs of batch buckets above 1 are built
 
 
 def _say(cfg: ServeConfig, msg: str) -> None:
@@ -69,7 +70,7 @@ def build_server(cfg: ServeConfig, compiled=None):
         fast = specgraph.compile(model, cfg.draft, num_speculative_tokens=cfg.num_speculative_tokens,
                                  max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
                                  autotune=cfg.autotune, backend=cfg.backend, modes=cfg.modes, warmup=plain_rounds,
-                                 progress=cfg.progress)
+                                 progress=cfg.progress, refine=cfg.refine)
         t_compile = time.perf_counter() - t0 - t_load
         base = fast.default_sampling()
     sampling = SamplingParams(1.0, cfg.top_k if cfg.top_k is not None else base.top_k,
