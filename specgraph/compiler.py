@@ -76,7 +76,7 @@ def slot_index(width, device) -> torch.Tensor:
     return torch.arange(width, device=device).view(1, 1, width)
 
 
-def _step_mask(L, q_pos, valid, width, window):
+def step_mask(L, q_pos, valid, width, window):
     """Additive mask [B, 1, Q, W]: a query at position q_pos sees committed slots < L and the
     slots in [L, q_pos] (its chain ancestors and itself). Invalid queries (padding, finished rows)
     see slot 0 only: their output is ignored, but a fully masked row would be NaN. ``width``: see
@@ -90,7 +90,7 @@ def _step_mask(L, q_pos, valid, width, window):
     return torch.where(vis, zero, NEG_INF).unsqueeze(1)
 
 
-def _tree_mask(L, q_pos, anc, valid, width, window):
+def tree_mask(L, q_pos, anc, valid, width, window):
     """Additive mask [B, 1, Q, width] for a tree round whose node i sits in slot L + i: node i sees
     the committed slots < L and its tree ancestors (``anc`` [B, N, N]) — not its siblings or
     cousins. Committed slots hold position = slot, so the window applies to them as usual; tree
@@ -120,7 +120,7 @@ def chain_logits(step, root, L, active, drafts, kv, slots, width, window, hidden
     ids = torch.cat([root.unsqueeze(1), drafts], dim=1)  # [B, k+1]
     pos = L.unsqueeze(1) + torch.arange(k + 1, device=L.device)
     valid = active.unsqueeze(1).expand_as(pos)
-    mask = _step_mask(L, pos, valid, width, window).to(kv[0].dtype)
+    mask = step_mask(L, pos, valid, width, window).to(kv[0].dtype)
     logits, last_hidden = step(ids, pos, mask, torch.where(valid, pos, slots - 1), *kv)
     return (logits, last_hidden) if hidden else logits
 
@@ -137,7 +137,7 @@ def tree_logits(step, root, L, active, tree_tokens, parents, max_children, kv, s
     pos = L.unsqueeze(1) + depth
     valid = active.unsqueeze(1).expand_as(pos)
     write = torch.where(valid, L.unsqueeze(1) + torch.arange(N, device=L.device), slots - 1)
-    mask = _tree_mask(L, pos, anc, valid, width, window).to(kv[0].dtype)
+    mask = tree_mask(L, pos, anc, valid, width, window).to(kv[0].dtype)
     logits, last_hidden = step(ids, pos, mask, write, *kv)
     return (logits, ids, children, last_hidden) if hidden else (logits, ids, children)
 
@@ -150,7 +150,7 @@ def draft_logits(step, tokens, last, active, kv, slots, width, window):
     pos = last.unsqueeze(1) + (torch.arange(Q, device=last.device) - (Q - 1))
     valid = active.unsqueeze(1) & (pos >= 0)
     pos = pos.clamp_min(0)
-    mask = _step_mask(last - (Q - 1), pos, valid, width, window).to(kv[0].dtype)
+    mask = step_mask(last - (Q - 1), pos, valid, width, window).to(kv[0].dtype)
     logits, _ = step(tokens, pos, mask, torch.where(valid, pos, slots - 1), *kv)
     return logits[:, -1]
 
@@ -162,7 +162,7 @@ def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None, hidden=
     and the final features [B, C, H]; a step built with ``all_logits=False``: [B, 1, V] and None)."""
     if start is None:
         start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
-    mask = _step_mask(start, pos, valid, slots, window).to(kv[0].dtype)
+    mask = step_mask(start, pos, valid, slots, window).to(kv[0].dtype)
     logits, last_hidden = step(ids, torch.where(valid, pos, 0), mask, torch.where(valid, pos, slots - 1), *kv)
     return (logits, last_hidden) if hidden else logits
 
@@ -1170,10 +1170,10 @@ class SpecGraphModel:
             slots = Lc + fed_t.to(dev)
             anc = anc_fed.to(dev).unsqueeze(0).expand(B, len(fed), spec.num_nodes)
             valid = active.unsqueeze(1).expand(B, len(fed))
-            mask = _tree_mask(L, pos.expand(B, len(fed)), anc, valid, cols, window)
+            mask = tree_mask(L, pos.expand(B, len(fed)), anc, valid, cols, window)
             if d == 0:  # the previous token, at position / slot L - 1, sees the committed prefix
                 pv = active & (L >= 1)
-                prev_mask = _step_mask((L - 1).clamp_min(0), (L - 1).clamp_min(0).unsqueeze(1), pv.unsqueeze(1), cols, window)
+                prev_mask = step_mask((L - 1).clamp_min(0), (L - 1).clamp_min(0).unsqueeze(1), pv.unsqueeze(1), cols, window)
                 ids = torch.cat([prev.unsqueeze(1), ids], dim=1)
                 pos = torch.cat([(Lc - 1).clamp_min(0), pos.expand(B, len(fed))], dim=1)
                 slots = torch.cat([torch.where(pv.unsqueeze(1), Lc - 1, S - 1), slots], dim=1)

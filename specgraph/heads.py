@@ -248,7 +248,7 @@ def _d2t_tensor(draft_vocab, vocab: int) -> torch.Tensor:
     return d2t
 
 
-class _TargetBound(nn.Module):
+class TargetBound(nn.Module):
     """Shared parts: the draft vocabulary map and the target's embedding / LM-head rows, which are
     non-persistent buffers (never saved; set by :meth:`bind`)."""
 
@@ -306,7 +306,7 @@ class _TargetBound(nn.Module):
         return nn.functional.linear(features.to(self.lm_weight.dtype), self.lm_weight, self.lm_bias)
 
 
-class EagleHead(_TargetBound):
+class EagleHead(TargetBound):
     """One-decoder-layer EAGLE drafter over the target's final features (see the module doc).
 
     ``EagleHead(target_config, draft_vocab=None)``: ``draft_vocab`` is None (full vocabulary), a
@@ -420,7 +420,7 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class MedusaHeads(_TargetBound):
+class MedusaHeads(TargetBound):
     """K Medusa heads over the target's final feature, sharing the target's LM head (rows d2t).
 
     ``forward(features [B, Q, H]) -> [B, Q, K, H]``; ``logits`` of that is [B, Q, K, Vd]; head k
@@ -457,7 +457,7 @@ class MedusaHeads(_TargetBound):
         return torch.stack([h(x) for h in self.heads], dim=-2)
 
 
-def build_head(kind: str, config: dict, draft_vocab=None) -> _TargetBound:
+def build_head(kind: str, config: dict, draft_vocab=None) -> TargetBound:
     if kind == "eagle":
         return EagleHead(dict(config), draft_vocab if draft_vocab is not None else config.get("draft_vocab_size"))
     if kind == "medusa":
@@ -469,7 +469,7 @@ def build_head(kind: str, config: dict, draft_vocab=None) -> _TargetBound:
 # files
 
 
-def save_head(head: _TargetBound, path, meta: dict | None = None, dtype=torch.float16) -> Path:
+def save_head(head: TargetBound, path, meta: dict | None = None, dtype=torch.float16) -> Path:
     """Write ``head`` as safetensors (floats cast to ``dtype``; None keeps them) with metadata:
     format, kind, config, the target fingerprint (from ``meta['fingerprint']`` or the target the
     head is bound to), the target description and ``meta`` (JSON). Atomic (temp file + rename)."""
@@ -570,7 +570,7 @@ def _fmt_desc(d: dict) -> str:
     return ", ".join(parts) or "unknown model"
 
 
-def load_head(path, target_model, *, check_fingerprint: bool = True, dtype=None, device=None) -> _TargetBound:
+def load_head(path, target_model, *, check_fingerprint: bool = True, dtype=None, device=None) -> TargetBound:
     """Load a head file for ``target_model`` (bound to it, eval mode).
 
     Refuses, with :class:`HeadFileError`, anything that is not a specgraph safetensors head (never

@@ -40,7 +40,7 @@ import sys
 import torch
 
 from specgraph.artifacts import cpu_model
-from specgraph.heads import EagleHead, HeadMismatchError, MedusaHeads, _TargetBound, find_head, load_head, model_fingerprint
+from specgraph.heads import EagleHead, HeadMismatchError, MedusaHeads, TargetBound, find_head, load_head, model_fingerprint
 from specgraph.verify import exponential_noise
 from specgraph.warping import SamplingParams, warped_probs
 
@@ -68,7 +68,7 @@ def draft_noise(B: int, K: int, V: int, device, generator, greedy: bool) -> torc
 
 
 def is_learned(draft) -> bool:
-    return isinstance(draft, _TargetBound) or (isinstance(draft, str) and draft in (*LEARNED, "layerskip"))
+    return isinstance(draft, TargetBound) or (isinstance(draft, str) and draft in (*LEARNED, "layerskip"))
 
 
 def check_head(model, head) -> None:
@@ -105,7 +105,7 @@ def resolve_draft(model, draft):
     if isinstance(draft, str) and draft in LEARNED:
         head = load_head(find_head(model, draft), model)
         return draft, head
-    if isinstance(draft, _TargetBound):
+    if isinstance(draft, TargetBound):
         check_head(model, draft)
         return draft.kind, draft
     return draft, None
@@ -148,7 +148,7 @@ def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, 
     import statistics
 
     from specgraph.capture import Step, new_kv_cache
-    from specgraph.planner import _timed as timed_calls  # (first call's seconds, [later calls' seconds])
+    from specgraph.planner import timed_calls  # (first call's seconds, [later calls' seconds])
 
     dev = next(model.parameters()).device
     p = next(head.parameters())
@@ -172,7 +172,7 @@ def time_head_steps(head, head_rows, context: int, slots: int, vocab: int, repea
     step as ``build(fn)`` makes it (default: eager; :func:`measure_compiled_tree_costs` compiles it)."""
     import statistics
 
-    from specgraph.planner import _timed as timed_calls  # (first call's seconds, [later calls' seconds])
+    from specgraph.planner import timed_calls  # (first call's seconds, [later calls' seconds])
 
     p = next(head.parameters())
     dev, H = p.device, head.config["hidden_size"]
@@ -492,7 +492,7 @@ class EagleDrafter(_HeadDrafter):
     def _prefill_head(self, B, rows, prefill_hidden, lens, device):
         """Head positions 0 .. T - 3 of each prompt: (token p + 1, target feature p); position T - 2
         is the first round's feed. Eager, like the target's prefill (no compile per prompt length)."""
-        from specgraph.compiler import _step_mask
+        from specgraph.compiler import step_mask
 
         P = int(lens.max()) - 2
         if P <= 0 or prefill_hidden is None:
@@ -505,21 +505,21 @@ class EagleDrafter(_HeadDrafter):
         pos = torch.arange(P, device=device).expand(B, P).contiguous()
         valid = pos < (lens - 2).unsqueeze(1)
         S = self.slots
-        mask = _step_mask(torch.zeros(B, dtype=torch.long, device=device), pos, valid, S, None)
+        mask = step_mask(torch.zeros(B, dtype=torch.long, device=device), pos, valid, S, None)
         kv = self.cache(B)
         self.head(ids, prefill_hidden[:, :P].to(kv[0].dtype), pos, mask, torch.where(valid, pos, S - 1), *kv)
 
     def _feed_step(self, feed_tokens, feed_feats, feed_start, feed_n, active, hk, hv):
         """The feed step (see the module doc): returns the head's output at the last fed row, the
         predicted target feature at the root's position [B, H]."""
-        from specgraph.compiler import _step_mask
+        from specgraph.compiler import step_mask
 
         B, F = feed_tokens.shape
         S = self.slots
         j = torch.arange(F, device=feed_start.device)
         valid = active.unsqueeze(1) & (j < feed_n.unsqueeze(1))  # [B, F]
         pos = feed_start.unsqueeze(1) + j
-        mask = _step_mask(feed_start, pos, valid, S, None).to(hk.dtype)
+        mask = step_mask(feed_start, pos, valid, S, None).to(hk.dtype)
         out = self.head(feed_tokens, feed_feats, pos, mask, torch.where(valid, pos, S - 1), hk, hv)  # [B, F, H]
         last = (feed_n - 1).clamp_min(0).view(B, 1, 1).expand(B, 1, out.shape[2])
         return out.gather(1, last).squeeze(1)
@@ -535,7 +535,7 @@ class EagleDrafter(_HeadDrafter):
         key = ("eagle_chain", B, params)
         fns = self.sg._fns
         if key not in fns:
-            from specgraph.compiler import _step_mask
+            from specgraph.compiler import step_mask
 
             K, S, head = self.sg.k, self.slots, self.head
 
@@ -550,7 +550,7 @@ class EagleDrafter(_HeadDrafter):
                     qs.append(q)
                     if i + 1 < K:  # head position L + i reads (draft i + 1, predicted feature L + i)
                         p = (L + i).unsqueeze(1)  # [B, 1]
-                        mask = _step_mask(L, p, active.unsqueeze(1), S, None).to(hk.dtype)
+                        mask = step_mask(L, p, active.unsqueeze(1), S, None).to(hk.dtype)
                         slot = torch.where(active.unsqueeze(1), p, S - 1)
                         g = head(tok.unsqueeze(1), g.unsqueeze(1), p, mask, slot, hk, hv)[:, 0]
                 drafts = torch.stack(drafts, dim=1)  # [B, K]
@@ -580,7 +580,7 @@ class EagleDrafter(_HeadDrafter):
         key = ("eagle_tree", B)
         fns = self.sg._fns
         if key not in fns:
-            from specgraph.compiler import _tree_mask
+            from specgraph.compiler import tree_mask
 
             S, head, spec = self.slots, self.head, self.sg.tree
             levels = self.sg.tree_levels
@@ -608,7 +608,7 @@ class EagleDrafter(_HeadDrafter):
                         pos = (base + d).unsqueeze(1).expand(B, Q)
                         valid = active.unsqueeze(1).expand(B, Q)
                         anc = fed_anc[d].to(dev).unsqueeze(0).expand(B, Q, N)
-                        mask = _tree_mask(base, pos, anc, valid, S, None).to(hk.dtype)
+                        mask = tree_mask(base, pos, anc, valid, S, None).to(hk.dtype)
                         slots = torch.where(valid, base.unsqueeze(1) + fed_t, S - 1)
                         out = head(ids, feats, pos.clamp_min(0), mask, slots, hk, hv)  # [B, Q, H]
                         for q, i in enumerate(fed):
@@ -630,7 +630,7 @@ class EagleDrafter(_HeadDrafter):
         key = ("eagle_dyn_tree", B)
         fns = self.sg._fns
         if key not in fns:
-            from specgraph.compiler import _tree_mask
+            from specgraph.compiler import tree_mask
 
             S, head, k, D = self.slots, self.head, self.topk, self.sg.k
             Nd = self.tree_nodes - 1
@@ -665,7 +665,7 @@ class EagleDrafter(_HeadDrafter):
                     own = eye_k.roll(r0, dims=1).unsqueeze(0)  # [1, k, rows]: row r0 + j is itself
                     f_anc = anc.gather(1, f_prow.unsqueeze(-1).expand(B, k, rows)) | own  # [B, k, rows]
                     pos = (base + d).unsqueeze(1).expand(B, k)
-                    mask = _tree_mask(base, pos, f_anc, valid, S, None).to(hk.dtype)
+                    mask = tree_mask(base, pos, f_anc, valid, S, None).to(hk.dtype)
                     slots = torch.where(valid, base.unsqueeze(1) + r0 + torch.arange(k, device=dev), S - 1)
                     out = head(f_tok, f_feat, pos.clamp_min(0), mask, slots, hk, hv)  # [B, k, H]
                     G, anc = torch.cat([G, out], dim=1), torch.cat([anc, f_anc], dim=1)

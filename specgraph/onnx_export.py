@@ -14,7 +14,7 @@
   per node, depth at most D: the static tree's, or the suffix shapes 5 and 17 nodes), the round of
   :meth:`SpecGraphModel._tree_round_fn`: the topology is an input (``parents``), depth / ancestors /
   per-row children are built in the graph (:func:`specgraph.trees.tree_buffers`), then the tree
-  mask (``compiler._tree_mask``), the step, :func:`specgraph.verify.verify_tree_with_noise` and the
+  mask (``compiler.tree_mask``), the step, :func:`specgraph.verify.verify_tree_with_noise` and the
   KV compaction of the accepted path (``compiler.compact_path``) on the output copies of the cache.
   Plus ``verify_k0``: the plain step taken when the drafter proposed nothing.
 * a draft model (``specgraph.compile(target, draft=<smaller model>)``, chains): ``draft_q2`` /
@@ -177,7 +177,7 @@ class TreeRound(torch.nn.Module):
 
     The tree's topology is an input (``parents``), so one graph serves every tree of its shape
     (N nodes, at most C children per node, depth at most D): depth, ancestors and per-row children
-    come from :func:`specgraph.trees.tree_buffers`, the mask from ``compiler._tree_mask``, then
+    come from :func:`specgraph.trees.tree_buffers`, the mask from ``compiler.tree_mask``, then
     :func:`specgraph.verify.verify_tree_with_noise` and the KV compaction of the accepted path
     (``compiler.compact_path``), applied to the output copies of the cache.
 

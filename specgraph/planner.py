@@ -213,7 +213,7 @@ def _call_seconds(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def _timed(fn, device, repeats):
+def timed_calls(fn, device, repeats):
     """(first call's seconds: the compile, [seconds of each of ``repeats`` later calls])."""
     first = _call_seconds(fn, device)
     return first, [_call_seconds(fn, device) for _ in range(repeats)]
@@ -273,7 +273,7 @@ def measure_round_costs(fast, batch_sizes, grid, context: int, repeats: int = 5,
             expo = torch.ones(B, k + 1, 1, device=device)
             drafts = torch.randint(V, (B, k), generator=g).to(device)
             calls[B, N] = functools.partial(fn, root, L, active, accept_u, expo, drafts, accept_u, *kv)
-            first, _ = _timed(calls[B, N], device, warmup)
+            first, _ = timed_calls(calls[B, N], device, warmup)
             _say(progress, f"cost {len(calls)}/{total}: built B={B} N={N} (first call {first:.1f} s)")
     times = {key: [] for key in calls}
     for _ in range(repeats):
@@ -305,7 +305,7 @@ def measure_draft_costs(fast, batch_sizes, context: int, repeats: int = 5, progr
             last = torch.full((B,), context, dtype=torch.long, device=device)
             active = torch.ones(B, dtype=torch.bool, device=device)
             expo = torch.ones(B, 1, device=device)
-            first, times = _timed(lambda: fn(tok, last, active, expo, *kv), device, repeats)
+            first, times = timed_calls(lambda: fn(tok, last, active, expo, *kv), device, repeats)
             step[B] = statistics.median(times)
             _say(progress, f"draft step B={B}: {1e3 * step[B]:.2f} ms (first call {first:.1f} s)")
         elif fast.draft == "ngram":
@@ -317,7 +317,7 @@ def measure_draft_costs(fast, batch_sizes, context: int, repeats: int = 5, progr
                 drafts, matched = ngram_propose(hist, lens, max(fast.k, 1), NGRAM_MAX, NGRAM_MIN)
                 return bool((matched * active).any())  # the proposal's host sync, as in a round
 
-            _, times = _timed(propose, device, repeats)
+            _, times = timed_calls(propose, device, repeats)
             per_round[B] = statistics.median(times)
             _say(progress, f"prompt-lookup proposal B={B}: {1e3 * per_round[B]:.2f} ms")
     return step, per_round

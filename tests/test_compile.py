@@ -297,7 +297,7 @@ def test_broken_mask_breaks_greedy_equality(monkeypatch, breakage):
     ref = hf_generate(model, ids, mask)
     fast = specgraph.compile(model, "ngram", backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
     assert torch.equal(sg_generate(fast, ids, mask), ref)  # control: the real mask
-    monkeypatch.setattr(sg_compiler, "_step_mask", breakage(sg_compiler._step_mask))
+    monkeypatch.setattr(sg_compiler, "step_mask", breakage(sg_compiler.step_mask))
     out = sg_generate(fast, ids, mask)  # same captured graphs; only the mask input differs
     assert out.shape == ref.shape
     assert not torch.equal(out, ref), f"{breakage.__name__} went unnoticed"
@@ -585,7 +585,7 @@ def test_broken_tree_round_breaks_greedy_equality(monkeypatch, breakage):
     ref = hf_generate(model, ids, mask)
     fast = specgraph.compile(model, model, tree=TREE, backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
     assert torch.equal(sg_generate(fast, ids, mask), ref)  # control
-    name = "_tree_mask" if breakage is _siblings_visible else "compact_path"
+    name = "tree_mask" if breakage is _siblings_visible else "compact_path"
     monkeypatch.setattr(sg_compiler, name, breakage(getattr(sg_compiler, name)))
     fast = specgraph.compile(model, model, tree=TREE, backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
     out = sg_generate(fast, ids, mask)

@@ -35,10 +35,7 @@ KNOWN_UPWARD = {
     ("compiler", "adaptive"), ("compiler", "learned"), ("compiler", "planner"), ("compiler", "proposers"),
     ("eager", "drafters"), ("learned", "planner"),
 }
-KNOWN_PRIVATE = {
-    ("learned", "compiler._step_mask"), ("learned", "compiler._tree_mask"), ("learned", "heads._TargetBound"),
-    ("learned", "planner._timed"),
-}
+KNOWN_PRIVATE: set = set()
 
 
 def imports_of(source: str) -> tuple[set, set]:
