@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from specgraph import compiler, graphcache, graphset
+import specgraph
+from specgraph import graphcache, graphset
 from specgraph.graphset import GraphSpec, batch_buckets, example_inputs
 from specgraph.models import load_model
 from specgraph.warping import SamplingParams
@@ -77,8 +78,8 @@ def main(argv=None) -> int:
     model, _ = load_model(args.model)
     objs, layouts = {}, {}
     for name, dynamic in (("static", False), ("dynamic", True)):
-        fast = compiler.compile(model, "ngram", num_speculative_tokens=args.k, max_batch_size=args.max_batch_size,
-                                max_seq_len=args.max_seq_len, warmup=False)
+        fast = specgraph.compile(model, "ngram", num_speculative_tokens=args.k, max_batch_size=args.max_batch_size,
+                                 max_seq_len=args.max_seq_len, warmup=False)
         layouts[name] = served(fast, args.graph_cache, dynamic)
         objs[name] = fast
     greedy = SamplingParams(0.0)

@@ -1,10 +1,13 @@
-"""``specgraph.compile``: the engine's compile (:func:`specgraph.compiler.compile`), with the
-graph set served from the persistent graph cache (:mod:`specgraph.graphcache`) when it can be."""
+"""``specgraph.compile``: the compiled object (:class:`specgraph.compiler.SpecGraphModel`), its
+depth policy (:mod:`specgraph.adaptive` for ``num_speculative_tokens="auto"``), and its graph set
+built or served from the persistent graph cache (:mod:`specgraph.graphcache`)."""
 from __future__ import annotations
 
-from specgraph import compiler, graphcache
-from specgraph.compiler import SpecGraphModel
+from specgraph import adaptive, compiler, graphcache
+from specgraph.compiler import SpecGraphModel, resolve_autotune
 from specgraph.graphset import MODES
+from specgraph.planner import as_plan
+
 
 def compile(
     model,
@@ -27,9 +30,59 @@ def compile(
     generation_config=None,
     refine: str = "auto",
 ) -> SpecGraphModel:
-    fast = compiler.compile(model, draft, num_speculative_tokens=num_speculative_tokens, tree=tree, backend=backend,
-                            max_batch_size=max_batch_size, max_seq_len=max_seq_len, freeze=freeze, depths=depths,
-                            plan=plan, autotune=autotune, tree_nodes=tree_nodes, warmup=False)
+    """Compile ``model`` (an HF causal LM in eval mode) for speculative generation.
+
+    ``draft``: None (compiled plain decoding), ``"ngram"`` (prompt lookup), ``"suffix"``, a draft
+    model, ``"layerskip"`` (the model's first layers as the draft, :func:`specgraph.drafters.layer_skip`),
+    or a learned head (:mod:`specgraph.learned`): ``"eagle"`` / ``"medusa"`` (the head file whose
+    fingerprint matches ``model``; an error when there is none) or an ``EagleHead`` / ``MedusaHeads``
+    bound to ``model``. EAGLE takes ``tree=None``, a static tree or ``"dynamic"`` (EAGLE-2 style);
+    Medusa a chain or a static tree. ``backend="eager"``
+    runs the same rewritten graphs without torch.compile.
+
+    ``warmup`` (default True): build every graph ``generate`` can ask for before returning
+    (:meth:`SpecGraphModel.warmup`, with a progress bar on stderr unless ``progress=False``):
+    one graph per (batch bucket, depth or tree shape, mode in ``modes``), whatever the prompt
+    length; after that ``generate`` does not compile. ``warmup=False`` builds each graph on its
+    first use instead. ``modes``: the sampling modes to build, ``("greedy", "sample")`` by default.
+
+    ``freeze=True`` lets Inductor treat the weights as constants (faster matmuls on CPU); each
+    compiled graph then holds its own prepacked copy of the weights, and later changes to the
+    model's weights are not seen. ``freeze=False`` saves that memory. The copies of all objects of
+    a process are kept within a budget (half the machine's memory, or ``SPECGRAPH_FREEZE_BUDGET_GB``;
+    :mod:`specgraph.freezing`): past it, further graphs compile unfrozen, with a warning;
+    ``fast.graph_frozen`` says which graphs were frozen.
+
+    ``autotune=True`` lets Inductor pick, per GEMM shape, between its own GEMM template and the
+    library call by benchmarking both (``max_autotune``): on a 2-core AVX-512 CPU SmolLM2's plain
+    decoding runs faster (``benchmarks/autotune_bench.py``), and each graph takes about twice as
+    long to compile. ``"auto"``
+    (default): on for CPU models of at least ``AUTOTUNE_MIN_PARAMS`` parameters, off on CUDA and for
+    small models (see :func:`resolve_autotune`).
+
+    ``tree_nodes`` (EAGLE with ``tree="dynamic"``): drafted nodes verified per round. ``"auto"``
+    (default): measured here, once: the target's cost of N query tokens and the head's step cost
+    on this machine, in graphs compiled like this object's (a few minutes the first time on a CPU;
+    cached per machine, model and compile settings under ``$SPECGRAPH_CACHE``), with the
+    acceptance per depth recorded in the head file by ``train-drafter``,
+    choose the depth (at most ``num_speculative_tokens``) and N with the most expected tokens per
+    second (:func:`specgraph.learned.choose_dynamic_tree`; ``fast.tree_choice`` holds the
+    measurements and predictions; a warning says when even the best tree is predicted less than
+    ``TREE_GAIN_MARGIN`` faster than plain decoding). A head without recorded acceptance keeps depth
+    ``num_speculative_tokens`` and ``EAGLE_TREE_NODES`` nodes. An int fixes N.
+
+    ``depths``: for model-free chains (``"ngram"``, ``"suffix"``), the depths to move between
+    (default: ``min(K, 4)`` and ``K``); the largest replaces ``num_speculative_tokens``.
+
+    ``num_speculative_tokens="auto"`` (chains: ``"ngram"``, ``"suffix"``, a draft model, a
+    :class:`specgraph.drafters.ChainDrafter`): each round's depth is chosen for the whole batch among
+    0 (a plain step) and ``depths`` (default: those ``plan`` recommends, else 2, 4, 8) from per-row
+    acceptance estimates and a cost model: ``plan`` (a :class:`specgraph.planner.Plan` or the path
+    of its JSON, from :func:`specgraph.plan` / ``specgraph plan``) or a conservative built-in curve.
+    See :mod:`specgraph.adaptive`; ``fast.policy.trace`` lists the depth of each round.
+    """
+    fast = _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze, depths,
+                   plan, autotune, tree_nodes)
     if not (compiler.WARMUP_BY_DEFAULT if warmup is None else warmup) or fast.fallback_reason is not None:
         return fast
     if graphcache.enabled(cache):
@@ -41,6 +94,28 @@ def compile(
     fast.warmup(modes, progress=progress and fast.graph_cache is None)
     if generation_config is not None:
         prepare_settings(fast, generation_config, modes, progress, refine=refine)
+    return fast
+
+
+def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze, depths, plan,
+            autotune, tree_nodes) -> SpecGraphModel:
+    """The compiled object, its depths set (``num_speculative_tokens="auto"``: the adaptive
+    policy, :mod:`specgraph.adaptive`), nothing built yet."""
+    auto = isinstance(num_speculative_tokens, str)
+    if auto:
+        if num_speculative_tokens != "auto":
+            raise ValueError(f"num_speculative_tokens must be a positive int or 'auto', got {num_speculative_tokens!r}")
+        plan = as_plan(plan)
+        depths = adaptive.auto_depths(depths, plan)
+        num_speculative_tokens = max(depths)
+    elif plan is not None:
+        raise ValueError("plan= is read by num_speculative_tokens='auto'")
+    fast = SpecGraphModel(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze,
+                          resolve_autotune(autotune, model), tree_nodes)
+    if auto:
+        adaptive.enable_auto(fast, depths, plan)
+    elif depths is not None:
+        fast.set_depths(depths)
     return fast
 
 
@@ -64,7 +139,7 @@ def prepare_settings(fast: SpecGraphModel, generation_config, modes=MODES, progr
     fast.warmup(modes, progress=progress and fast.graph_cache is None, generation_config=generation_config)
 
 
-compile.__doc__ = compiler.compile.__doc__ + """
+compile.__doc__ += """
     ``cache`` (CPU, Inductor, plain decoding, ``"ngram"`` or ``"suffix"``): the graph set is kept
     on disk (:mod:`specgraph.graphcache`), keyed by every weight of the model, the compile
     settings, the library versions and the CPU, so the same compile in a new process loads its
@@ -76,15 +151,14 @@ compile.__doc__ = compiler.compile.__doc__ + """
     happened (hit or built, seconds, packages loaded, graphs still refining), None when no
     cache served the object.
 
-    ``refine``: per (mode, depth) one package whose batch is a dynamic dimension serves every
-    batch; batch 1 and the smallest buckets also get a static package of their own, faster for
-    them. ``"auto"`` (default): where a helper process builds beside this one (a second core, a
-    model of 20M parameters or more), ``compile`` returns once the dynamic packages are built and
-    the helper builds the static ones in the background, at a lower CPU priority; each is adopted
-    between calls as it arrives (``fast.refresh_graphs()``; ``fast.graphs_in_use().wait()``
-    waits for them). Nothing compiles on the request path either way. ``"now"``: build them all
-    before returning; ``"background"``: as "auto", warning when no helper can; ``"never"``: the
-    dynamic packages only (fewer weight copies, slower small batches).
+    ``refine``: when the graphs of batch buckets above 1 are built. ``"auto"`` (default): where a
+    helper process builds beside this one (a second core, a model of 20M parameters or more),
+    ``compile`` returns once the batch-1 graphs are built, and the helper builds the others in
+    the background, at a lower CPU priority; each is adopted between calls as it arrives
+    (``fast.refresh_graphs()``; ``fast.graphs_in_use().wait()`` waits for them), and until then
+    a batch of B rows runs as B rounds of one row on the batch-1 graphs (the same tokens).
+    Nothing compiles on the request path either way. ``"now"``: build them all before returning;
+    ``"background"``: as "auto", warning when no helper can.
 
     ``generation_config``: a ``GenerationConfig`` whose logits processors (repetition penalty,
     no-repeat n-grams, ...) requests will use: their rounds are built (and cached) too, so those

@@ -30,11 +30,9 @@ LAYERS = [
 LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 
 # upward edges the engine still has: the compiled object makes its proposer and resolves head
-# drafters, the loop calls the adaptive policy directly, and the eager fallback runs prompt lookup
-KNOWN_UPWARD = {
-    ("compiler", "adaptive"), ("compiler", "learned"), ("compiler", "planner"), ("compiler", "proposers"),
-    ("eager", "drafters"), ("learned", "planner"),
-}
+# drafters, and the eager fallback runs prompt lookup (the loop calls its depth policy through the
+# object it was given: specgraph.compile, in the API layer, wires the adaptive policy)
+KNOWN_UPWARD = {("compiler", "learned"), ("compiler", "proposers"), ("eager", "drafters"), ("learned", "planner")}
 KNOWN_PRIVATE: set = set()
 
 
