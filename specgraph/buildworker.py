@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -98,6 +99,8 @@ def serve(inp, out) -> int:
 
 
 def main() -> int:
+    # terminated (the parent exits, or stops building): unwind, so the build's temporary folder goes too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # the protocol owns the original stdout; anything else printed (Inductor, transformers) goes to stderr
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)

@@ -281,7 +281,8 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
             warnings.warn("specgraph: no helper process can build this object's graphs (see SPECGRAPH_BUILD_HELPER); "
                           "building every batch bucket's graphs now", stacklevel=3)
         later = []
-    later.sort(key=lambda m: m[0].batches is None)  # the dynamic-batch graphs serve the most buckets
+    # the dynamic-batch graphs first (they serve the most buckets), plain steps first among them (what a loaded server runs)
+    later.sort(key=lambda m: (m[0].batches is None, m[0].depth))
     now = [m for m in missing if m not in later]
     work = _build(fast, folder, digest, now, later, packages, progress) if missing else None
     served = fast.graphs_in_use()
@@ -645,7 +646,11 @@ class _Helper:
     def close(self) -> None:
         self.stopping.set()
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            self.proc.terminate()  # it removes its build folder on the way out
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
         self.thread.join()
         atexit.unregister(self.close)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -476,3 +477,24 @@ def test_background_without_a_helper_builds_now_and_says_so(model, tmp_path, mon
     assert fast.graph_cache["built"] == 2 and fast.graph_cache["refining"] == 0
     with pytest.raises(ValueError, match="refine must be one of"):
         specgraph.compile(model, None, cache=tmp_path, refine="later", **settings)
+
+
+def test_stopping_a_background_build_leaves_no_files_and_keeps_serving(model, tmp_path, monkeypatch):
+    """The helper stopped mid-build (as at this process's exit): its build folder and model copy
+    are removed, and the buckets it did not deliver keep running row by row, equal to HF."""
+    monkeypatch.setenv(graphcache.ENV_HELPER, "on")
+    settings = {**SETTINGS, "max_batch_size": 4, "modes": ("greedy",)}
+    fast = specgraph.compile(model, None, cache=tmp_path, refine="background", **settings)
+    folder = Path(fast.graph_cache["path"])
+    served = fast.graphs_in_use()
+    deadline = time.monotonic() + 120
+    while not list(folder.glob(".build-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the helper is building a refinement
+    for work in served.refiners:
+        work.helper.close()
+    assert not list(folder.glob(".build-*")) and not list(folder.glob(".helper-*"))
+    fast.refresh_graphs()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="specgraph")
+        for B in (2, 3):
+            assert_rows_equal(model, fast, B)
