@@ -127,8 +127,9 @@ def prepare_settings(fast: SpecGraphModel, generation_config, modes=MODES, progr
     if logits is None:
         return
     if fast.graph_cache is not None:
+        # rounds with logits processors have no helper process: built now ("background" would warn)
         extra = graphcache.load_or_build(fast, modes, progress=progress, root=fast.graph_cache_root,
-                                         logits=logits, refine=refine)
+                                         logits=logits, refine="auto" if refine == "background" else refine)
         if extra is not None:
             info = fast.graph_cache
             fast.graph_cache = {**info, "hit": info["hit"] and extra["hit"], "built": info["built"] + extra["built"],

@@ -844,6 +844,8 @@ class SpecGraphModel:
         args, _ = example_inputs(self, g, vocab)  # with the processors' state when the round has processors
         extras = None if g.logits is None else RoundExtras(g.logits)
         if g.kind == "round":
+            if self.row_by_row(g.batch, params, g.depth, extras):
+                return  # the batch-1 graph, already run
             self._round_fn(g.batch, params, width, g.depth, extras)(*args, *self.kv_cache(g.batch))
         elif g.kind == "tree":
             self._tree_round_fn(g.batch, params, width, g.tree, extras)(*args, *self.kv_cache(g.batch))
@@ -1075,6 +1077,13 @@ class SpecGraphModel:
         round's extras (logits processors, score outputs) when it has any."""
         params = self._graph_params(params)
         return params if extras is None or not extras.any else (params, extras)
+
+    def row_by_row(self, B: int, params: SamplingParams, k: int, extras: "RoundExtras | None" = None) -> bool:
+        """Whether the chain round of bucket ``B`` at depth ``k`` runs as B rounds of one row on the
+        batch-1 graph (a :meth:`use_graphs` mapping answers it so while its own graph is still being
+        built: :class:`specgraph.graphcache.RowSplit`)."""
+        key = ("round", B, self._key_params(params, extras), None, k)
+        return key in self._fns and getattr(self._fns[key], "row_by_row", False)
 
     def _round_fn(self, B: int, params: SamplingParams, width: int, k: int, extras: "RoundExtras | None" = None):
         """One verification round over k given drafts (k = 0: a plain decoding step), attending

@@ -181,12 +181,6 @@ class CachedGraphs(dict):
         self._answered.clear()
         return sorted({key[1] for staged in arrived for key in staged})
 
-    def row_by_row(self, batch: int) -> bool:
-        """Whether some round of ``batch`` rows runs row by row on the batch-1 packages (its own
-        is still being built, or was given up)."""
-        return bool(self.refiners) and batch > 1 and any(
-            (k[0], batch, *k[2:]) not in self.packages for k in self.packages if k[1] == 1)
-
     def refining(self) -> int:
         """Graphs still being built in the background (not counting those waiting for refresh())."""
         return sum(work.remaining() for work in self.refiners)
@@ -291,12 +285,12 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     else:
         served = CachedGraphs(packages, fast.default_sampling())
         fast.use_graphs(served)
-    refining = 0 if work is None else work.remaining()
+    refining = 0 if work is None else work.pending()
     if later:
         served.refiners.append(work)
     # a dynamic-batch package serves several buckets, a package of mode "any" both modes
     loaded = len({id(getattr(p, "package", p)) for p in packages.values()})
-    return {"path": str(folder), "hit": not missing, "built": len(missing) - refining,
+    return {"path": str(folder), "hit": not missing, "built": 0 if work is None else work.built,
             "helper_built": 0 if work is None else work.by_helper, "loaded": loaded, "refining": refining,
             "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan), "seconds": round(time.perf_counter() - t0, 2)}
 
@@ -313,6 +307,8 @@ class RowSplit:
     graph, each writing its own row of the cache (a view); the outputs are concatenated row by
     row. The graph and each row's inputs are those the batch-1 bucket runs, so a row gets the
     tokens it would get alone."""
+
+    row_by_row = True  # what SpecGraphModel.row_by_row asks
 
     def __init__(self, one):
         self.one = one  # the batch-1 round (a Package, or GreedyRows over one)
@@ -444,8 +440,10 @@ def _build(fast, folder: Path, digest: str, missing: list, later: list, packages
     with a warning."""
     device = next(fast.model.parameters()).device
     work = _Work(missing, later, packages, Progress(len(missing), progress, verb="building"))
-    helper = _Helper(fast, folder, digest, work) if _wants_helper(fast, missing + later) else None
+    helper = _start_helper(fast, folder, digest, work) if _wants_helper(fast, missing + later) else None
     work.helper = helper
+    if helper is None:
+        work.take_back_later()
 
     def build_here(g, frozen) -> None:
         work.bar.start(g.name)
@@ -502,6 +500,7 @@ class _Work:
         self.in_helper = 0  # graphs of todo the helper is building
         self.refining = 0  # refinements the helper is building
         self.by_helper = 0  # graphs the helper built
+        self.built = 0  # graphs of todo built (by either process)
         self.helper = None  # the _Helper, if any
         self._staged: list[dict] = []  # registrations of built refinements, not yet adopted
         self.settled = False  # this process has stopped building: refinements are the helper's alone
@@ -530,6 +529,11 @@ class _Work:
         """Refinements not built yet (queued or in the helper)."""
         with self.lock:
             return len(self.later) + self.refining
+
+    def pending(self) -> int:
+        """Refinements not adopted yet: to build, building, or built and waiting for :meth:`arrived`."""
+        with self.lock:
+            return len(self.later) + self.refining + len(self._staged)
 
     def give_back(self, item, refinement: bool = False) -> None:
         """A graph the helper took and did not build: this process builds it next (a refinement
@@ -564,7 +568,7 @@ class _Work:
         """This process is done building: whether the helper goes on with the refinements."""
         with self.lock:
             self.settled = True
-            return helper is not None and helper.busy() and bool(self.later or self.refining)
+            return helper is not None and helper.busy() and not self.todo and bool(self.later or self.refining)
 
     def per_bucket(self, fast, folder: Path, g, error: str) -> None:
         """Refinement ``g``, a dynamic-batch graph, failed to export: recorded as such, and its
@@ -593,6 +597,7 @@ class _Work:
             _register(fast, self.packages, g, pkg)
             self.in_helper -= helper
             self.by_helper += helper
+            self.built += 1
             self.bar.advance(g.name, seconds)
 
     def arrived(self) -> list[dict]:
@@ -621,6 +626,16 @@ def _wants_helper(fast, missing: list) -> bool:
     return (os.cpu_count() or 1) >= 2 and sum(p.numel() for p in fast.model.parameters()) >= HELPER_MIN_PARAMS
 
 
+def _start_helper(fast, folder: Path, digest: str, work: _Work) -> "_Helper | None":
+    """A :class:`_Helper`, or None (with a warning) when the model cannot be saved for it."""
+    try:
+        return _Helper(fast, folder, digest, work)
+    except (OSError, RuntimeError, ValueError) as e:
+        warnings.warn(f"specgraph: no build helper process ({type(e).__name__}: {e}); building every graph in this "
+                      "process", stacklevel=3)
+        return None
+
+
 class _Helper:
     """A :mod:`specgraph.buildworker` process fed from a thread of this one: it takes graphs from
     the back of the shared work, builds them into the cache folder, and this process checks and
@@ -633,9 +648,17 @@ class _Helper:
     def __init__(self, fast, folder: Path, digest: str, work: _Work):
         self.fast, self.folder, self.digest, self.work = fast, folder, digest, work
         self.proc, self.stopping = None, threading.Event()
+        # the model is saved here, before this process starts exporting it: torch.export swaps the
+        # module's parameters while it traces, which a save from another thread would see
+        self.model_dir = Path(tempfile.mkdtemp(dir=folder, prefix=".helper-model-"))
+        try:
+            fast.model.save_pretrained(self.model_dir)
+        except BaseException:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+            raise
         self.thread = threading.Thread(target=self._run, name="specgraph-build-helper", daemon=True)
         self.thread.start()
-        atexit.register(self.close)
+        atexit.register(self._at_exit)
 
     def busy(self) -> bool:
         return self.thread.is_alive()
@@ -652,11 +675,22 @@ class _Helper:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.thread.join()
-        atexit.unregister(self.close)
+
+    def _at_exit(self) -> None:
+        """This process exits: stop the helper (building in the background), without waiting
+        on a thread that is still starting it."""
+        self.stopping.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.thread.join(30)
 
     def _run(self) -> None:
-        model_dir = Path(tempfile.mkdtemp(dir=self.folder, prefix=".helper-model-"))
-        log = self.folder / f".helper-{os.getpid()}.log"
+        model_dir = self.model_dir
+        log = self.folder / f".helper-{os.getpid()}-{id(self):x}.log"
         try:
             with open(log, "w") as err:
                 self._start(model_dir, err)
@@ -665,8 +699,9 @@ class _Helper:
             if not self.stopping.is_set():
                 tail = log.read_text()[-2000:] if log.exists() else ""
                 dropped = self.work.abandon()
-                rest = (f"{len(dropped)} graphs of batch buckets above 1 are not built (those buckets run row by row on "
-                        "the batch-1 graphs)" if dropped else "building the remaining graphs in this process")
+                rest = (f"{len(dropped)} graphs of batch buckets above 1 are not built: those buckets run row by row on "
+                        "the batch-1 graphs (compile(..., refine='now') builds them in this process)" if dropped
+                        else "building the remaining graphs in this process")
                 warnings.warn(f"specgraph: the build helper process stopped ({type(e).__name__}: {e}); {rest}\n{tail}",
                               stacklevel=2)
         finally:
@@ -681,12 +716,12 @@ class _Helper:
                     self.proc.kill()
             shutil.rmtree(model_dir, ignore_errors=True)
             log.unlink(missing_ok=True)
+            atexit.unregister(self._at_exit)  # nothing left to stop: let the object go
 
     def _start(self, model_dir: Path, err) -> None:
         import specgraph.compiler as compiler
 
         model = self.fast.model
-        model.save_pretrained(model_dir)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen([sys.executable, "-m", "specgraph.buildworker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -715,7 +750,7 @@ class _Helper:
             except BaseException:
                 self.work.give_back(item, refinement)
                 raise
-            if pkg is None and reply.get("export") and refinement:  # the model's code fixes its batch
+            if pkg is None and reply.get("export") and refinement and g.batches is not None:  # its code fixes the batch
                 self.work.per_bucket(self.fast, self.folder, g, reply.get("error", ""))
                 continue
             if pkg is None:

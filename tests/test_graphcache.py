@@ -439,6 +439,7 @@ def test_batch_one_first_and_the_rest_in_the_background(model, tmp_path, monkeyp
     served = fast.graphs_in_use()
     key = fast.graph_key("round", 4, SamplingParams(0.0), None, 2)
     assert key in served and isinstance(dict.__getitem__(served, key), graphcache.RowSplit)
+    assert fast.row_by_row(4, SamplingParams(0.0), 2) and not fast.row_by_row(1, SamplingParams(0.0), 2)
     with warnings.catch_warnings(), monkeypatch.context() as m:
         warnings.filterwarnings("error", message="specgraph")  # nothing is built inside generate
         m.setattr(fast, "refresh_graphs", lambda: [])  # nothing adopted yet: every bucket row by row
@@ -458,6 +459,7 @@ def test_batch_one_first_and_the_rest_in_the_background(model, tmp_path, monkeyp
     assert served.wait(timeout=600) and served.refining() == 0
     assert fast.refresh_graphs() == [2, 4, 8]
     assert not isinstance(dict.get(served, key), graphcache.RowSplit) and key in served
+    assert not fast.row_by_row(4, SamplingParams(0.0), 2)
     assert served.packages[package_key("round", 4, 2, "greedy")] is served.packages[package_key("round", 8, 2, "greedy")]
     assert len(list(Path(info["path"]).glob("*.pt2"))) == 5
     with warnings.catch_warnings():

@@ -134,12 +134,11 @@ def measure_costs(engine, repeats: int = 3, buckets=None) -> dict[tuple[int, int
 
     fast, out = engine.fast, {}
     width = fast.round_width(fast.min_attend)
-    row_by_row = getattr(fast.graphs_in_use(), "row_by_row", lambda b: False)
     with torch.no_grad():
         for b in batch_buckets(engine.B) if buckets is None else buckets:
             kv = [t[:b] for t in engine.kv]
             for d in engine.depths:
-                if engine.extras is None and b > 1 and row_by_row(b) and (1, d) in out:  # b rounds of one row until its graph arrives
+                if fast.row_by_row(b, SamplingParams(0.0), d, engine.extras) and (1, d) in out:  # b rounds of one row
                     out[(b, d)] = b * out[(1, d)]
                     engine.policy.set_cost(b, d, out[(b, d)])
                     continue

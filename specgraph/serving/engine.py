@@ -291,10 +291,9 @@ class ServingEngine:
         from specgraph.graphset import Progress
 
         t0 = time.perf_counter()
-        # a bucket whose packages are still being built runs the batch-1 ones (no log-probabilities: those rounds are JIT graphs)
-        row_by_row = getattr(self.fast.graphs_in_use(), "row_by_row", lambda b: False)
-        combos = [(b, d, m) for b in batch_buckets(self.B) if self.extras is not None or not row_by_row(b)
-                  for d in self.depths for m in modes]
+        # a round whose package is still being built runs the batch-1 one, already warm
+        combos = [(b, d, m) for b in batch_buckets(self.B) for d in self.depths for m in modes
+                  if not self.fast.row_by_row(b, SamplingParams(0.0) if m == "greedy" else self.sampling, d, self.extras)]
         bar = Progress(len(combos), progress, verb="building")
         width = self.fast.round_width(self.fast.min_attend)
         with torch.no_grad():
