@@ -755,8 +755,8 @@ class _Helper:
                 continue
             if pkg is None:
                 self.work.give_back(item, refinement)
-                if reply.get("export"):
-                    continue  # this process meets the same export error and records it
+                if reply.get("export") and not refinement:
+                    continue  # this process meets the same export error and records it (a refinement stops here)
                 raise RuntimeError(reply.get("error", f"{g.name}: no usable package"))
             self.work.done(self.fast, g, pkg, reply["seconds"], helper=True, refinement=refinement)
 

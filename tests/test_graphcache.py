@@ -500,3 +500,32 @@ def test_stopping_a_background_build_leaves_no_files_and_keeps_serving(model, tm
         warnings.filterwarnings("error", message="specgraph")
         for B in (2, 3):
             assert_rows_equal(model, fast, B)
+
+
+def test_a_refinement_the_helper_cannot_export_is_given_up_not_retried(tmp_path):
+    """A static refinement whose export fails in the helper stops the helper (its buckets stay
+    row by row) instead of being taken again and again. Negative control: the answer for a
+    graph this process must build (not a refinement) is handed back and the helper goes on."""
+    import threading
+
+    from specgraph.graphset import GraphSpec
+
+    def helper_on(work, answers):
+        h = graphcache._Helper.__new__(graphcache._Helper)
+        h.fast, h.folder, h.digest, h.work, h.stopping = None, tmp_path, "d", work, threading.Event()
+        h._send = lambda obj: None
+        h._receive = lambda: answers.pop(0)
+        return h
+
+    static = GraphSpec("round", 2, None, "greedy", 0)
+    work = graphcache._Work([], [(static, True)], {}, graphcache.Progress(0, False))
+    failed = {"error": "UserError: fixed batch", "export": True}
+    with pytest.raises(RuntimeError, match="fixed batch"):
+        helper_on(work, [failed, failed, failed])._serve()  # before: asked again until the answers ran out
+    assert work.later == [(static, True)] and work.refining == 0
+
+    work = graphcache._Work([(static, True)], [], {}, graphcache.Progress(1, False))
+    h = helper_on(work, [failed])
+    h._receive = lambda: (h.stopping.set(), failed)[1]  # one answer, then this process stops the helper
+    h._serve()
+    assert work.todo == [(static, True)] and work.in_helper == 0
