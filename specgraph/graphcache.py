@@ -550,19 +550,21 @@ class _Work:
         """The helper stopped: while this process still builds, it takes the refinements too;
         afterwards they are dropped (their buckets keep running row by row). Returns those dropped."""
         with self.lock:
-            left, self.later = self.later, []
             if not self.settled:
-                self.todo += left
-                self.bar.grow(len(left))
+                self._later_to_todo()
                 return []
+            left, self.later = self.later, []
             return left
 
     def take_back_later(self) -> None:
         """The refinements not built yet, into this process's list."""
         with self.lock:
-            self.todo += self.later
-            self.bar.grow(len(self.later))
-            self.later = []
+            self._later_to_todo()
+
+    def _later_to_todo(self) -> None:  # with self.lock held
+        self.todo += self.later
+        self.bar.grow(len(self.later))
+        self.later = []
 
     def settle(self, helper) -> bool:
         """This process is done building: whether the helper goes on with the refinements."""
@@ -666,7 +668,9 @@ class _Helper:
     def wait(self, seconds: float | None) -> None:
         self.thread.join(seconds)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the helper process and its thread (``timeout``: wait at most that long for the
+        thread, which may still be starting the process)."""
         self.stopping.set()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()  # it removes its build folder on the way out
@@ -674,19 +678,11 @@ class _Helper:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        self.thread.join()
+        self.thread.join(timeout)
 
     def _at_exit(self) -> None:
-        """This process exits: stop the helper (building in the background), without waiting
-        on a thread that is still starting it."""
-        self.stopping.set()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.thread.join(30)
+        """This process exits: stop the helper (building in the background)."""
+        self.close(timeout=30)
 
     def _run(self) -> None:
         model_dir = self.model_dir
