@@ -55,8 +55,8 @@ def compile(
 
     ``autotune=True`` lets Inductor pick, per GEMM shape, between its own GEMM template and the
     library call by benchmarking both (``max_autotune``): on a 2-core AVX-512 CPU SmolLM2's plain
-    decoding runs faster (``benchmarks/autotune_bench.py``), and each graph takes about twice as
-    long to compile. ``"auto"``
+    decoding runs faster (``benchmarks/autotune_bench.py``), and each graph takes about 12% longer
+    to build (docs/architecture.md, "Build time"). ``"auto"``
     (default): on for CPU models of at least ``AUTOTUNE_MIN_PARAMS`` parameters, off on CUDA and for
     small models (see :func:`resolve_autotune`).
 
@@ -80,6 +80,30 @@ def compile(
     acceptance estimates and a cost model: ``plan`` (a :class:`specgraph.planner.Plan` or the path
     of its JSON, from :func:`specgraph.plan` / ``specgraph plan``) or a conservative built-in curve.
     See :mod:`specgraph.adaptive`; ``fast.policy.trace`` lists the depth of each round.
+
+    ``cache`` (CPU, Inductor, plain decoding, ``"ngram"`` or ``"suffix"``): the graph set is kept
+    on disk (:mod:`specgraph.graphcache`), keyed by every weight of the model, the compile
+    settings, the library versions and the CPU, so the same compile in a new process loads its
+    graphs in seconds instead of building them. The cached graphs are AOTInductor packages of the
+    same rounds, frozen (each holds its own prepacked weight copy on disk) and autotuned as the
+    object's settings say. ``None`` (default): on, under ``$SPECGRAPH_GRAPH_CACHE`` (default
+    ``~/.cache/specgraph/graphs``; ``SPECGRAPH_GRAPH_CACHE=off`` turns the default off); a path:
+    on, under that folder; ``False``: off (the JIT builds the set). ``fast.graph_cache`` says what
+    happened (hit or built, seconds, packages loaded, graphs still refining), None when no
+    cache served the object.
+
+    ``refine``: when the graphs of batch buckets above 1 are built. ``"auto"`` (default): where a
+    helper process builds beside this one (a second core, a model of 20M parameters or more),
+    ``compile`` returns once the batch-1 graphs are built, and the helper builds the others in
+    the background, at a lower CPU priority; each is adopted between calls as it arrives
+    (``fast.refresh_graphs()``; ``fast.graphs_in_use().wait()`` waits for them), and until then
+    a batch of B rows runs as B rounds of one row on the batch-1 graphs (the same tokens).
+    Nothing compiles on the request path either way. ``"now"``: build them all before returning;
+    ``"background"``: as "auto", warning when no helper can.
+
+    ``generation_config``: a ``GenerationConfig`` whose logits processors (repetition penalty,
+    no-repeat n-grams, ...) requests will use: their rounds are built (and cached) too, so those
+    requests build nothing either.
     """
     fast = _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze, depths,
                    plan, autotune, tree_nodes)
@@ -138,30 +162,3 @@ def prepare_settings(fast: SpecGraphModel, generation_config, modes=MODES, progr
                                 "refining": info["refining"] + extra["refining"],
                                 "seconds": round(info["seconds"] + extra["seconds"], 2)}
     fast.warmup(modes, progress=progress and fast.graph_cache is None, generation_config=generation_config)
-
-
-compile.__doc__ += """
-    ``cache`` (CPU, Inductor, plain decoding, ``"ngram"`` or ``"suffix"``): the graph set is kept
-    on disk (:mod:`specgraph.graphcache`), keyed by every weight of the model, the compile
-    settings, the library versions and the CPU, so the same compile in a new process loads its
-    graphs in seconds instead of building them. The cached graphs are AOTInductor packages of the
-    same rounds, frozen (each holds its own prepacked weight copy on disk) and autotuned as the
-    object's settings say. ``None`` (default): on, under ``$SPECGRAPH_GRAPH_CACHE`` (default
-    ``~/.cache/specgraph/graphs``; ``SPECGRAPH_GRAPH_CACHE=off`` turns the default off); a path:
-    on, under that folder; ``False``: off (the JIT builds the set). ``fast.graph_cache`` says what
-    happened (hit or built, seconds, packages loaded, graphs still refining), None when no
-    cache served the object.
-
-    ``refine``: when the graphs of batch buckets above 1 are built. ``"auto"`` (default): where a
-    helper process builds beside this one (a second core, a model of 20M parameters or more),
-    ``compile`` returns once the batch-1 graphs are built, and the helper builds the others in
-    the background, at a lower CPU priority; each is adopted between calls as it arrives
-    (``fast.refresh_graphs()``; ``fast.graphs_in_use().wait()`` waits for them), and until then
-    a batch of B rows runs as B rounds of one row on the batch-1 graphs (the same tokens).
-    Nothing compiles on the request path either way. ``"now"``: build them all before returning;
-    ``"background"``: as "auto", warning when no helper can.
-
-    ``generation_config``: a ``GenerationConfig`` whose logits processors (repetition penalty,
-    no-repeat n-grams, ...) requests will use: their rounds are built (and cached) too, so those
-    requests build nothing either.
-    """

@@ -741,7 +741,7 @@ class SpecGraphModel:
 
     def refresh_graphs(self) -> list[int]:
         """Adopt graphs that finished building in the background since the last call (the graph
-        cache's static graphs of the small batch buckets, :mod:`specgraph.graphcache`): asked of
+        cache's packages of batch buckets above 1, :mod:`specgraph.graphcache`): asked of
         the :meth:`use_graphs` mapping when it has a ``refresh()``. ``generate`` calls it before
         each call and a server between rounds, never inside a round. Returns the batch buckets
         whose graphs changed (empty: none)."""

@@ -369,9 +369,10 @@ class ServingEngine:
     # ------------------------------------------------------------------------------------------
 
     def _adopt_graphs(self) -> None:
-        """Take the graphs the graph cache built in the background (the small batch buckets'
-        own), and once no row is decoding, time the rounds of those buckets again for the depth
-        policy (a few ms each: the costs it holds were measured on the graphs they replace)."""
+        """Take the graphs the graph cache built in the background (batch buckets above 1), and
+        once no row is decoding, time the rounds of those buckets again for the depth policy (a
+        few rounds per bucket and depth: the costs it holds were measured on the row-by-row
+        rounds they replace)."""
         self._remeasure.update(self.fast.refresh_graphs())
         if self._remeasure and not self.rows:
             measure_costs(self, buckets=sorted(self._remeasure))
