@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specgraph.drafters import ngram_propose
+from specgraph.lookup import ngram_propose
 from specgraph.verify import verify_chain
 from specgraph.warping import check_sampling_params
 

@@ -148,7 +148,7 @@ def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, 
     import statistics
 
     from specgraph.capture import Step, new_kv_cache
-    from specgraph.planner import timed_calls  # (first call's seconds, [later calls' seconds])
+    from specgraph.timing import timed_calls  # (first call's seconds, [later calls' seconds])
 
     dev = next(model.parameters()).device
     p = next(head.parameters())
@@ -172,7 +172,7 @@ def time_head_steps(head, head_rows, context: int, slots: int, vocab: int, repea
     step as ``build(fn)`` makes it (default: eager; :func:`measure_compiled_tree_costs` compiles it)."""
     import statistics
 
-    from specgraph.planner import timed_calls  # (first call's seconds, [later calls' seconds])
+    from specgraph.timing import timed_calls  # (first call's seconds, [later calls' seconds])
 
     p = next(head.parameters())
     dev, H = p.device, head.config["hidden_size"]
@@ -210,7 +210,7 @@ def measure_compiled_tree_costs(model, head, query_sizes, head_rows, *, backend:
 
     from specgraph.compiler import SpecGraphModel
     from specgraph.perfmodel import CostCurve
-    from specgraph.planner import measure_round_costs
+    from specgraph.timing import measure_round_costs
 
     hi = max(query_sizes)
     pts = sorted({int(n) for n in points if 1 <= n < hi} | {1, hi})

@@ -7,7 +7,7 @@ proposes on the host exactly as the compiler does, runs one graph, reads the emi
 host sync per round) and advances the committed lengths:
 
 * chains (``draft=None``, ``"ngram"``, ``"suffix"`` with ``tree=None``): prompt lookup
-  (:func:`specgraph.drafters.ngram_propose`) or the suffix index's best path
+  (:func:`specgraph.lookup.ngram_propose`) or the suffix index's best path
   (:func:`specgraph.proposers.suffix.suffix_chains`, :func:`specgraph.proposers.suffix.suffix_chain_drafts`);
   ``verify_k{k}`` when some live row has a proposal, else the plain ``verify_k0`` step; prompt
   lookup moves k along the compiler's depth ladder (:func:`specgraph.compiler.next_k`, e.g. 4 -> 8
@@ -49,7 +49,7 @@ from specgraph.compiler import assemble_output, eos_and_pad, next_k, one_call, p
 from specgraph.proposers.ngram import propose_ngram_tree
 from specgraph.proposers.suffix import (SUFFIX_MIN_SCORE, calibrate_suffix, pack_suffix_trees, suffix_chain_drafts,
                                         suffix_chains)
-from specgraph.drafters import ngram_propose
+from specgraph.lookup import ngram_propose
 from specgraph.eager import GenerationStats
 from specgraph.generation import stop_at
 from specgraph.onnx_export import (  # noqa: F401 (export_onnx: re-export)

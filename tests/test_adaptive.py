@@ -891,7 +891,7 @@ def test_cost_curve_builds_every_shape_before_timing_them_in_turn():
     """measure_round_costs: each shape is built and warmed (its first call plus ``warmup``) before
     any timed call, then the timed calls go round the shapes ``repeats`` times; one sample per
     timed call."""
-    from specgraph.planner import measure_round_costs
+    from specgraph.timing import measure_round_costs
 
     log = []
 
@@ -903,7 +903,7 @@ def test_cost_curve_builds_every_shape_before_timing_them_in_turn():
         def kv_cache(self, B):
             return ()
 
-        def _round_fn(self, B, params, width, k):
+        def round_graph(self, B, params, width, k):
             log.append(("build", B, k + 1))
             return lambda *args: log.append(("call", B, k + 1))
 

@@ -18,9 +18,9 @@ SRC = Path(__file__).resolve().parent.parent / "specgraph"
 
 LAYERS = [
     ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset",
-              "processors", "generation", "templates",
+              "processors", "generation", "templates", "lookup",
               "kernels", "passes"}),
-    ("engine", {"compiler", "callrows", "eager", "packages"}),
+    ("engine", {"compiler", "callrows", "eager", "packages", "timing"}),
     ("drafters", {"drafters", "suffix", "heads", "learned", "proposers"}),
     ("policy", {"adaptive", "planner"}),
     ("api", {"api", "graphcache", "buildworker"}),
@@ -30,9 +30,9 @@ LAYERS = [
 LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 
 # upward edges the engine still has: the compiled object makes its proposer and resolves head
-# drafters, and the eager fallback runs prompt lookup (the loop calls its depth policy through the
-# object it was given: specgraph.compile, in the API layer, wires the adaptive policy)
-KNOWN_UPWARD = {("compiler", "learned"), ("compiler", "proposers"), ("eager", "drafters"), ("learned", "planner")}
+# drafters (the loop calls its depth policy through the object it was given: specgraph.compile,
+# in the API layer, wires the adaptive policy)
+KNOWN_UPWARD = {("compiler", "learned"), ("compiler", "proposers")}
 KNOWN_PRIVATE: set = set()
 
 

@@ -1,7 +1,7 @@
 """Prompt lookup: drafts copied from earlier in each row's own text."""
 from __future__ import annotations
 
-from specgraph.drafters import ngram_propose, ngram_tree_propose
+from specgraph.lookup import ngram_propose, ngram_tree_propose
 from specgraph.proposers.base import ChainProposal, Proposer, RoundView, TreeProposal
 from specgraph.trees import TreeSpec
 
@@ -25,7 +25,7 @@ def propose_ngram_tree(spec: TreeSpec, rank: list[int], hist, L, active):
 
 class NgramProposer(Proposer):
     """Chains: the continuation of the latest earlier occurrence of each row's last 2-3 tokens
-    (:func:`specgraph.drafters.ngram_propose`); trees: the continuations of several matches merged
+    (:func:`specgraph.lookup.ngram_propose`); trees: the continuations of several matches merged
     on the static tree ``tree``. A round in which no live row matched an n-gram of at least
     ``NGRAM_MIN`` tokens is a plain step, so text without repetition costs what plain decoding
     costs."""

@@ -42,7 +42,7 @@ import torch
 from specgraph.callrows import advance_rows
 from specgraph.compiler import RoundExtras, SpecGraphModel
 from specgraph.proposers.ngram import NGRAM_MAX, NGRAM_MIN
-from specgraph.drafters import ngram_propose
+from specgraph.lookup import ngram_propose
 from specgraph.generation import stop_at
 from specgraph.graphcache import CachedGraphs, GreedyRows
 from specgraph.graphset import batch_buckets
