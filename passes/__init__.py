@@ -23,6 +23,7 @@ from .attend import attend_mask_width_pass, attend_prefix_pass
 from .attention import attention_nodes, tree_attention_pass
 from .dce import safe_dce_pass
 from .gqa import gqa_fold_pass
+from .sparse import block_sparse_attention_pass
 from .window import banded_mask, sliding_window_pass
 
 STEP_PIPELINE = (tree_attention_pass, gqa_fold_pass, safe_dce_pass, attend_mask_width_pass)
@@ -41,4 +42,4 @@ def run_step_pipeline(gm: fx.GraphModule, windows: tuple[list[str], int] | None 
     return gm, counts
 
 
-__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "gqa_fold_pass", "attend_prefix_pass", "attend_mask_width_pass", "safe_dce_pass", "attention_nodes", "sliding_window_pass", "banded_mask"]
+__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "gqa_fold_pass", "attend_prefix_pass", "attend_mask_width_pass", "safe_dce_pass", "attention_nodes", "block_sparse_attention_pass", "sliding_window_pass", "banded_mask"]

@@ -1,0 +1,101 @@
+"""Attention that reads, for each row, only the cache blocks its mask lets it see."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .attention import attention_nodes
+from .dce import safe_dce_pass
+
+aten = torch.ops.aten
+BLOCK = 64  # cache slots per block: a block a row cannot see is not read
+
+
+def attention_plan(mask: torch.Tensor, slots: int):
+    """What every layer's block-sparse attention needs, computed once per step from the additive
+    mask [B, 1, Q, W] (W <= ``slots``):
+
+    - the mask as a score bias [B, Q, S], S = ``slots`` rounded up to a whole block (the slots past
+      W are -inf: a static shape, whatever W is);
+    - per row, how many blocks hold a slot some query of the row sees [B, 1, 1] int32;
+    - those blocks first, in order [B, 1, 1, S / BLOCK] int32 (the rest follow, never read).
+    """
+    B, _, Q, W = mask.shape
+    S = -(-slots // BLOCK) * BLOCK
+    bias = torch.cat([mask[:, 0], mask.new_full((B, Q, S - W), float("-inf"))], dim=-1)  # [B, Q, S]
+    live = (bias > float("-inf")).any(dim=1).view(B, S // BLOCK, BLOCK).any(dim=-1)  # [B, S/BLOCK]
+    count = live.sum(dim=-1, dtype=torch.int32).view(B, 1, 1)
+    order = torch.argsort((~live).to(torch.int32), dim=-1, stable=True).to(torch.int32).view(B, 1, 1, -1)
+    return bias, count, order
+
+
+def block_sparse_attention(q: torch.Tensor,  # [B, H, R*Q, D]: R query heads per K/V head, folded
+                           k: torch.Tensor,  # [B, H, S, D] the whole cache
+                           v: torch.Tensor,  # [B, H, S, D]
+                           width,  # attended slots W (an int or a symbolic size)
+                           plan, scale=None) -> torch.Tensor:  # -> [B, H, R*Q, D]
+    """``sdpa(q, k[:, :, :W], v[:, :, :W], mask)`` (the mask repeated over the folded query rows)
+    as flex attention that skips the blocks :func:`attention_plan` found dead for a row: a row
+    reads the blocks it sees, not the W slots the longest row needs."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    bias, count, order = plan
+    Q, rows = bias.shape[1], q.shape[2]
+    blocks = BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(rows, BLOCK), seq_lengths=(rows, width))
+
+    def add_mask(score, b, h, i, j):
+        return score + bias[b, i % Q, j]
+
+    return flex_attention(q, k[:, :, :width], v[:, :, :width], score_mod=add_mask, block_mask=blocks, scale=scale)
+
+
+def block_sparse_attention_pass(gm: fx.GraphModule, slots: int, mask_placeholder: str = "mask"
+                                ) -> tuple[fx.GraphModule, int]:
+    """Every attention call that :func:`attend_mask_width_pass` sliced to the mask's width skips,
+    row by row, the cache blocks the row's mask hides (:func:`block_sparse_attention`).
+
+    Before::   w = sym_size(mask, 3)
+               o = sdpa(q, k[:, :, :w], v[:, :, :w], repeat(mask, [1, 1, R, 1]), scale=s)
+    After::    plan = attention_plan(mask, S)                        # once per step
+               o = block_sparse_attention(q, k, v, w, plan, scale=s)
+
+    In a batch, the attended width W is what the longest row needs; the others' later slots are
+    masked and cost the same to read. Here a row reads only the blocks it sees. Same attention
+    up to float summation order. Only calls with no dropout, not causal, reading the mask input
+    itself (or its repeat over folded query heads) are rewritten. Returns (gm, calls rewritten).
+    """
+    g = gm.graph
+    mask = next((n for n in g.nodes if n.op == "placeholder" and n.name == mask_placeholder), None)
+    if mask is None:
+        return gm, 0
+    plan, done = None, 0
+    for node in attention_nodes(g):
+        q, k, v = node.args[:3]
+        m = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+        if dropout or causal or node.kwargs.get("enable_gqa") or not (_is_slice(k) and _is_slice(v)):
+            continue
+        if not (m is mask or (isinstance(m, fx.Node) and m.target is aten.repeat.default and m.args[0] is mask)):
+            continue
+        if k.args[3] is not v.args[3]:
+            continue
+        if plan is None:  # before the first attention call, so before them all
+            with g.inserting_before(node):
+                plan = g.call_function(attention_plan, (mask, slots))
+        scale = node.args[6] if len(node.args) > 6 else node.kwargs.get("scale")
+        with g.inserting_before(node):
+            out = g.call_function(block_sparse_attention, (q, k.args[0], v.args[0], k.args[3], plan),
+                                  {"scale": scale})
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+        done += 1
+    g.lint()
+    gm.recompile()
+    return safe_dce_pass(gm)[0], done
+
+
+def _is_slice(node) -> bool:
+    """``x[:, :, :w]``: the attended-width slice of a cache tensor."""
+    return (isinstance(node, fx.Node) and node.target is aten.slice.Tensor and node.args[1] == 2
+            and node.args[2] == 0 and len(node.args) > 3)
