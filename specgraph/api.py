@@ -29,6 +29,7 @@ def compile(
     cache=None,
     generation_config=None,
     refine: str = "auto",
+    attention: str = "auto",
 ) -> SpecGraphModel:
     """Compile ``model`` (an HF causal LM in eval mode) for speculative generation.
 
@@ -59,6 +60,13 @@ def compile(
     to build (docs/architecture.md, "Build time"). ``"auto"``
     (default): on for CPU models of at least ``AUTOTUNE_MIN_PARAMS`` parameters, off on CUDA and for
     small models (see :func:`resolve_autotune`).
+
+    ``attention``: how the rounds' attention reads the KV cache. A round attends as many cache slots
+    as its longest row needs; ``"block_sparse"`` has each row read only the 64-slot blocks its own
+    mask shows (flex attention, :func:`specgraph.passes.block_sparse_attention_pass`), so the short
+    rows of a batch cost what their own length costs. ``"sdpa"``: the model's own attention over
+    the attended width. ``"auto"`` (default): block-sparse for Inductor on CPU, else ``"sdpa"``.
+    Both are exact (the same attention up to float summation order).
 
     ``tree_nodes`` (EAGLE with ``tree="dynamic"``): drafted nodes verified per round. ``"auto"``
     (default): measured here, once: the target's cost of N query tokens and the head's step cost
@@ -106,7 +114,7 @@ def compile(
     requests build nothing either.
     """
     fast = _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze, depths,
-                   plan, autotune, tree_nodes)
+                   plan, autotune, tree_nodes, attention)
     if not (compiler.WARMUP_BY_DEFAULT if warmup is None else warmup) or fast.fallback_reason is not None:
         return fast
     if graphcache.enabled(cache):
@@ -122,7 +130,7 @@ def compile(
 
 
 def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze, depths, plan,
-            autotune, tree_nodes) -> SpecGraphModel:
+            autotune, tree_nodes, attention="auto") -> SpecGraphModel:
     """The compiled object, its depths set (``num_speculative_tokens="auto"``: the adaptive
     policy, :mod:`specgraph.adaptive`), nothing built yet."""
     auto = isinstance(num_speculative_tokens, str)
@@ -135,7 +143,7 @@ def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
     elif plan is not None:
         raise ValueError("plan= is read by num_speculative_tokens='auto'")
     fast = SpecGraphModel(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze,
-                          resolve_autotune(autotune, model), tree_nodes)
+                          resolve_autotune(autotune, model), tree_nodes, attention)
     if auto:
         adaptive.enable_auto(fast, depths, plan)
     elif depths is not None:

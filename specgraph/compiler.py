@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -32,7 +33,7 @@ from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV
 from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set, with_logits
 from specgraph.generation import (GenerationRequest, ScoreLog, StepStreamer, UnsupportedSetting, inferred_attention_mask,
                                   resolve, stop_at)
-from specgraph.passes import attend_prefix_pass, run_step_pipeline
+from specgraph.passes import attend_prefix_pass, block_sparse_attention_pass, run_step_pipeline
 from specgraph.proposers import (CallStart, ChainDrafter, ChainProposal, RoundOutcome, RoundView, SuffixIndex,
                                  make_proposer)
 from specgraph.proposers.ngram import NGRAM_TREE_MATCHES
@@ -459,14 +460,25 @@ def assemble_output(input_ids, new: list[list[int]], pad_token_id) -> torch.Tens
     return torch.cat([input_ids, out], dim=1)
 
 
-def inductor_settings(device, freeze: bool, autotune: bool) -> dict:
+def kernel_threads() -> int:
+    """The threads a block-sparse attention kernel is built for: the machine's logical CPUs.
+    Inductor's flex attention template sizes its per-thread scratch buffers by the thread count
+    it was built with, and runs on the ATen pool of the calling process: more threads at run time
+    than at build time write past those buffers, so graphs are built for the most a process can
+    usefully run, and :meth:`SpecGraphModel.check_threads` refuses more."""
+    return os.cpu_count() or 1
+
+
+def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sdpa") -> dict:
     """The Inductor config of every graph specgraph builds, JIT or AOT. ``freeze``: the weights
     become constants, prepacked for the GEMMs. ``autotune``: Inductor benchmarks its own GEMM
     template against the library call per shape (on an AVX-512 CPU its micro-kernel beats MKL for
     the few-row GEMMs of a decode round; about 12% more build time per graph, and it pays with
     frozen weights only). No autotune tables or stats reach the user's terminal.
     On CPU the per-step elementwise kernels are tiny: one OpenMP region each costs more than it
-    saves, so they run single-threaded (GEMMs still use all threads)."""
+    saves, so they run single-threaded (GEMMs still use all threads), except in graphs with
+    block-sparse attention, whose flex attention kernel needs its true thread count
+    (:func:`kernel_threads`)."""
     memoize_kernel_templates()
     config = {"freezing": freeze}
     if autotune:
@@ -476,8 +488,22 @@ def inductor_settings(device, freeze: bool, autotune: bool) -> dict:
         if hasattr(torch._inductor.config, quiet):
             config[quiet] = value
     if device.type == "cpu":
-        config["cpp.threads"] = 1
+        config["cpp.threads"] = kernel_threads() if attention == "block_sparse" else 1
     return config
+
+
+def resolve_attention(attention, model, backend) -> str:
+    """``compile(attention=...)``: "sdpa" (each attention call reads the attended width W for every
+    row of the batch) or "block_sparse" (:func:`specgraph.passes.block_sparse_attention_pass`: each
+    row reads only the cache blocks its mask shows, so a short row next to a long one costs what
+    its own length costs). ``"auto"``: "block_sparse" for Inductor on CPU (flex attention's C++
+    template), else "sdpa"."""
+    if attention == "auto":
+        cpu = next(model.parameters()).device.type == "cpu"
+        return "block_sparse" if backend == "inductor" and cpu else "sdpa"
+    if attention not in ("sdpa", "block_sparse"):
+        raise ValueError(f"attention must be 'auto', 'sdpa' or 'block_sparse', got {attention!r}")
+    return attention
 
 
 def resolve_autotune(autotune, model) -> bool:
@@ -527,6 +553,7 @@ class EngineConfig:
     autotune: bool
     max_batch_size: int
     max_seq_len: int
+    attention: str  # "sdpa" (the model's own) or "block_sparse" (per row, the cache blocks it sees)
     draft_model: torch.nn.Module | None = None  # draft="model": the smaller model
     head: object | None = None  # an EAGLE / Medusa head bound to the target
     suffix_index: SuffixIndex | None = None  # draft="suffix": the index it drafts from
@@ -538,7 +565,7 @@ class EngineConfig:
 
 
 def resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True,
-                   autotune=False, tree_nodes="auto") -> EngineConfig:
+                   autotune=False, tree_nodes="auto", attention="auto") -> EngineConfig:
     """:func:`compile`'s arguments as an :class:`EngineConfig`, or a ``ValueError`` that says what
     to pass instead. Learned drafters are resolved here (``"layerskip"`` becomes a draft model;
     ``"eagle"`` / ``"medusa"`` the head matching ``model``), and ``tree_nodes="auto"`` sizes
@@ -606,8 +633,8 @@ def resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batc
     k = 0 if draft is None else (tree.max_depth if isinstance(tree, TreeSpec) else num_speculative_tokens)
     model_free = draft in ("ngram", "suffix", "custom")  # their chains move between depths, see next_k
     return EngineConfig(draft, k, default_ladder(k) if model_free else [k], tree, tree_rank, tree_size,
-                        tree_choice, backend, bool(freeze), bool(autotune), max_batch_size, max_seq_len, draft_model,
-                        head, suffix_index, chain_drafter)
+                        tree_choice, backend, bool(freeze), bool(autotune), max_batch_size, max_seq_len,
+                        resolve_attention(attention, model, backend), draft_model, head, suffix_index, chain_drafter)
 
 
 def parse_tree(tree, draft):
@@ -643,9 +670,9 @@ class SpecGraphModel:
     """What :func:`compile` returns. Call :meth:`generate`; read :attr:`stats`."""
 
     def __init__(self, model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True,
-                 autotune=False, tree_nodes="auto"):
+                 autotune=False, tree_nodes="auto", attention="auto"):
         cfg = self.config = resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
-                                           max_seq_len, freeze, autotune, tree_nodes)
+                                           max_seq_len, freeze, autotune, tree_nodes, attention)
         head, draft_model = cfg.head, cfg.draft_model
         self.model = model
         self.draft, self.draft_model = cfg.draft, cfg.draft_model
@@ -662,7 +689,7 @@ class SpecGraphModel:
         self._lock = threading.RLock()  # one generate at a time per object (shared KV caches)
         # chooses each round's chain depth when set (num_speculative_tokens="auto": specgraph.adaptive)
         self.policy = None
-        self.backend, self.freeze, self.autotune = cfg.backend, cfg.freeze, cfg.autotune
+        self.backend, self.freeze, self.autotune, self.attention = cfg.backend, cfg.freeze, cfg.autotune, cfg.attention
         self.max_batch_size, self.max_seq_len, self.slots = cfg.max_batch_size, cfg.max_seq_len, cfg.slots
         # frozen graphs each copy their weights: a process-wide budget (specgraph.freezing) decides
         # per graph; graph_frozen records what each compiled graph got
@@ -891,13 +918,17 @@ class SpecGraphModel:
     def _step(self, B: int, Q: int, which: str = "target", max_batch: int | None = None):
         """The captured, pass-rewritten step at batch B and query length Q. Its attention reads as
         many cache slots as its mask has columns (``attend_mask_width_pass``): one step per shape
-        serves every attended width. ``max_batch``: traced at B with a dynamic batch, 2 .. max_batch."""
+        serves every attended width; with ``attention="block_sparse"`` each row reads only the
+        blocks of those it sees (``block_sparse_attention_pass``). ``max_batch``: traced at B with a
+        dynamic batch, 2 .. max_batch."""
         key = (B, Q) if which == "target" else (which, B, Q)
         if max_batch is not None:
             key = (*key, "batch<=", max_batch)
         if key not in self._steps:
             model = self.model if which == "target" else self.draft_model
             gm, counts = run_step_pipeline(capture_step(model, B, Q, self.slots, max_batch), layer_windows(model))
+            if self.attention == "block_sparse":
+                gm, counts["block_sparse_attention_pass"] = block_sparse_attention_pass(gm, self.slots)
             self.pass_counts[key] = counts
             self._steps[key] = gm
         return self._steps[key]
@@ -928,8 +959,23 @@ class SpecGraphModel:
         if shared not in self._fns:
             self._fns[shared] = build()
         fn, cols = self._fns[shared], self._slot_input(width)
-        bound = self._bound[(shared, width)] = lambda *args: fn(cols, *map(_dense, args))
+        if self.attention == "block_sparse":
+            def bound(*args):
+                self.check_threads()
+                return fn(cols, *map(_dense, args))
+        else:
+            def bound(*args):
+                return fn(cols, *map(_dense, args))
+        self._bound[(shared, width)] = bound
         return bound
+
+    def check_threads(self) -> None:
+        """Refuse to run block-sparse graphs on more threads than they were built for
+        (:func:`kernel_threads`): their attention kernel's scratch buffers would overflow."""
+        if torch.get_num_threads() > kernel_threads():
+            raise RuntimeError(f"torch.get_num_threads() is {torch.get_num_threads()}, above this machine's "
+                               f"{kernel_threads()} CPUs that block-sparse attention graphs are built for: "
+                               "lower it (torch.set_num_threads), or compile with attention='sdpa'")
 
     def _compiled(self, name: str, fn, weights=None):
         """``fn`` compiled for this object's backend and device. ``weights``: the modules whose
@@ -948,7 +994,7 @@ class SpecGraphModel:
         # inductor_settings. Applied as a config patch around every call: torch.compile(options=...) ignores
         # "freezing", and a recompile must see the same settings as the first compile.
         device = next(self.model.parameters()).device
-        config = inductor_settings(device, self.freeze, self.autotune)
+        config = inductor_settings(device, self.freeze, self.autotune, self.attention)
         self.inductor_config = dict(config)  # what every compiled graph of this object is built with
 
         def decide_freezing():

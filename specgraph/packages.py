@@ -97,12 +97,12 @@ def export_graph(fast: SpecGraphModel, g: GraphSpec, module, args: list, kv: lis
     return torch.export.export(module, (*args, *kv), dynamic_shapes={"args": shapes}, strict=False)
 
 
-def inductor_configs(device, freeze: bool = False, autotune: bool = False) -> dict:
+def inductor_configs(device, freeze: bool = False, autotune: bool = False, attention: str = "sdpa") -> dict:
     """AOTInductor settings. ``freeze``: the weights become constants inside the package's .so,
     prepacked for the GEMMs (a private copy per package); else the .so holds code only and its
     constants are bound at load time. ``autotune``: Inductor's GEMM template against the library
     call per shape; otherwise as the JIT (:func:`specgraph.compiler.inductor_settings`)."""
-    return {**inductor_settings(device, freeze, autotune), "aot_inductor.package_constants_in_so": freeze}
+    return {**inductor_settings(device, freeze, autotune, attention), "aot_inductor.package_constants_in_so": freeze}
 
 
 def model_tensors(model) -> dict:
@@ -128,7 +128,7 @@ def package_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors
         ep = export_graph(fast, g, module, args, kv)
         rel = f"{PT2_SUBDIR}/{g.name}.pt2"
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out / rel),
-                                                 inductor_configs=inductor_configs(device, freeze, autotune))
+                                                 inductor_configs=inductor_configs(device, freeze, autotune, fast.attention))
     del ep
     drop_build_folder(out / rel)
     # every constant an unfrozen package expects must be a tensor of the model (bound at load time)
