@@ -17,16 +17,27 @@ def attention_plan(mask: torch.Tensor, slots: int):
 
     - the mask as a score bias [B, Q, S], S = ``slots`` rounded up to a whole block (the slots past
       W are -inf: a static shape, whatever W is);
-    - per row, how many blocks hold a slot some query of the row sees [B, 1, 1] int32;
-    - those blocks first, in order [B, 1, 1, S / BLOCK] int32 (the rest follow, never read).
+    - per row, the blocks some but not every query-slot pair of which is visible (the bias is
+      added there): their count [B, 1, 1] int32 and those blocks first [B, 1, 1, S / BLOCK] int32;
+    - the same for the blocks every query of the row sees whole (bias 0 throughout).
+
+    A block no query of a row sees is in neither list: that row never reads it.
     """
     B, _, Q, W = mask.shape
     S = -(-slots // BLOCK) * BLOCK
     bias = torch.cat([mask[:, 0], mask.new_full((B, Q, S - W), float("-inf"))], dim=-1)  # [B, Q, S]
-    live = (bias > float("-inf")).any(dim=1).view(B, S // BLOCK, BLOCK).any(dim=-1)  # [B, S/BLOCK]
-    count = live.sum(dim=-1, dtype=torch.int32).view(B, 1, 1)
-    order = torch.argsort((~live).to(torch.int32), dim=-1, stable=True).to(torch.int32).view(B, 1, 1, -1)
-    return bias, count, order
+    seen = (bias > float("-inf")).any(dim=1).view(B, S // BLOCK, BLOCK).any(dim=-1)  # [B, S/BLOCK]
+    whole = (bias == 0).all(dim=1).view(B, S // BLOCK, BLOCK).all(dim=-1)
+    return (bias, *_listed(seen & ~whole), *_listed(whole))
+
+
+def _listed(blocks: torch.Tensor):
+    """Per row, how many blocks are set in ``blocks`` [B, n] bool [B, 1, 1] and their indices first,
+    in order [B, 1, 1, n] (flex attention's block lists)."""
+    B = blocks.shape[0]
+    count = blocks.sum(dim=-1, dtype=torch.int32).view(B, 1, 1)
+    order = torch.argsort((~blocks).to(torch.int32), dim=-1, stable=True).to(torch.int32).view(B, 1, 1, -1)
+    return count, order
 
 
 def block_sparse_attention(q: torch.Tensor,  # [B, H, R*Q, D]: R query heads per K/V head, folded
@@ -39,9 +50,10 @@ def block_sparse_attention(q: torch.Tensor,  # [B, H, R*Q, D]: R query heads per
     reads the blocks it sees, not the W slots the longest row needs."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    bias, count, order = plan
+    bias, count, order, whole_count, whole_order = plan
     Q, rows = bias.shape[1], q.shape[2]
-    blocks = BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(rows, BLOCK), seq_lengths=(rows, width))
+    blocks = BlockMask.from_kv_blocks(count, order, whole_count, whole_order, BLOCK_SIZE=(rows, BLOCK),
+                                      seq_lengths=(rows, width))
 
     def add_mask(score, b, h, i, j):
         return score + bias[b, i % Q, j]

@@ -43,10 +43,12 @@ def chain_inputs(L: torch.Tensor, Q: int, S: int, W: int):
 def test_plan_lists_each_rows_visible_blocks_first():
     L = torch.tensor([3, 130, 64])
     _, _, mask = chain_inputs(L, 2, 300, 200)
-    bias, count, order = attention_plan(mask, 300)
+    bias, count, order, whole, whole_order = attention_plan(mask, 300)
     assert bias.shape == (3, 2, 320) and torch.equal(bias[:, :, :200], mask[:, 0])
-    assert count.flatten().tolist() == [1, 3, 2]  # slots 0..4, 0..131, 0..65
-    assert order[1, 0, 0, :3].tolist() == [0, 1, 2] and order.shape[-1] == 320 // BLOCK
+    # rows see slots 0..4, 0..131 and 0..65: the blocks they see whole, then those they see in part
+    assert whole.flatten().tolist() == [0, 2, 1] and count.flatten().tolist() == [1, 1, 1]
+    assert whole_order[1, 0, 0, :2].tolist() == [0, 1] and order[1, 0, 0, 0].item() == 2
+    assert order[2, 0, 0, 0].item() == 1 and order.shape[-1] == 320 // BLOCK
 
 
 @torch.no_grad()
