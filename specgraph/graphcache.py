@@ -731,7 +731,8 @@ class _Helper:
                     "digest": self.digest, "min_attend": compiler.MIN_ATTEND,
                     "settings": {"draft": self.fast.draft, "num_speculative_tokens": max(self.fast.k, 1),
                                  "max_batch_size": self.fast.max_batch_size, "max_seq_len": self.fast.max_seq_len,
-                                 "freeze": self.fast.freeze, "autotune": self.fast.autotune}})
+                                 "freeze": self.fast.freeze, "autotune": self.fast.autotune,
+                                 "attention": self.fast.attention}})
         reply = self._receive()
         if not reply.get("ready"):
             raise RuntimeError(reply.get("error", "no answer"))
