@@ -719,7 +719,8 @@ def _serve_dir_settings(args) -> dict:
         if given is not None and (set(given) - set(value) if name == "modes" else given != value):
             _die(f"--{name.replace('_', '-')} {given if name != 'modes' else ','.join(given)}: {args.model} was "
                  f"compiled with {value!r} (its manifest's settings; recompile with `specgraph compile` to change it)", 2)
-    for flag, given in (("--max-logprobs", args.max_logprobs), ("--ray-replicas", args.ray_replicas)):
+    for flag, given in (("--max-logprobs", args.max_logprobs), ("--ray-replicas", args.ray_replicas),
+                        ("--attention", args.attention)):
         if given is not None:
             _die(f"{flag} is not available with a compiled directory: serve the MODEL instead", 2)
     return {**have, "modes": args.modes or have["modes"]}
@@ -745,7 +746,7 @@ def cmd_serve(args) -> int:
                       top_k=settings["top_k"], top_p=settings["top_p"], min_p=settings["min_p"],
                       served_model_name=args.served_model_name, modes=settings["modes"], threads=args.threads,
                       progress=not args.quiet, speculation=_speculation_arg(args.speculation, args),
-                      prefix_cache_mb=args.prefix_cache_mb, refine=args.refine)
+                      prefix_cache_mb=args.prefix_cache_mb, refine=args.refine, attention=args.attention or "auto")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -1218,6 +1219,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "build helper process (2+ cores, models of >= 20M parameters) the port opens once the "
                          "batch-1 graphs are built and the rest arrive in the background, those buckets running "
                          "row by row meanwhile; now: all before the port opens")
+    sv.add_argument("--attention", default=None, choices=["auto", "sdpa", "block_sparse"],
+                    help="MODEL only: block_sparse: each row of a round reads only the KV blocks it sees (a short "
+                         "request beside a long one costs its own length); sdpa: every row reads the round's "
+                         "attended width; auto (default): block_sparse on CPU")
     sv.add_argument("--served-model-name", default=None, help="the model id the API reports (default: MODEL)")
     sv.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     sv.add_argument("--ray-replicas", type=int, default=None, metavar="N",

@@ -812,3 +812,51 @@ def test_compile_resolves_its_settings_into_one_config(llama):
         sg_compiler.resolve_config(llama, "ngram", 0, None, "eager", 1, 64)
     with pytest.raises(ValueError, match="draft='suffix' builds its own trees"):
         sg_compiler.resolve_config(llama, "suffix", 4, [(0,)], "eager", 1, 64)
+
+
+# ----------------------------------------------------------------------------------------------
+# block-sparse attention
+
+
+def test_block_sparse_attention_equals_hf_on_rows_of_very_different_lengths(monkeypatch):
+    """attention="block_sparse" (Inductor: flex attention's kernel, which skips unlisted blocks): a
+    long row (three 64-slot blocks) beside short ones, each reading only the blocks it sees, equal
+    to model.generate. Negative control: a plan that lists one block fewer per row (some slots a
+    row sees go unread) does not equal it."""
+    import specgraph.passes.sparse as sparse
+
+    model = tiny_model("llama")
+    rows = [repeated([17, 64, 3, 88, 25], 150), repeated([50, 9], 5), repeated([71, 33, 71, 2, 98, 46], 70)]
+    ids, mask = left_pad(rows)
+    ref = hf_generate(model, ids, mask)
+    fast = specgraph.compile(model, attention="block_sparse", max_batch_size=4, max_seq_len=256, cache=False,
+                             warmup=False)
+    out = sg_generate(fast, ids, mask)
+    assert fast.attention == "block_sparse"
+    assert {c["block_sparse_attention_pass"] for c in fast.pass_counts.values()} == {model.config.num_hidden_layers}
+    assert_same(model, ids, mask, ref, out, "block-sparse attention")
+
+    listed = sparse._listed
+    monkeypatch.setattr(sparse, "_listed", lambda blocks: (lambda c, o: ((c - 1).clamp_min(0), o))(*listed(blocks)))
+    broken = specgraph.compile(model, attention="block_sparse", max_batch_size=4, max_seq_len=256, cache=False,
+                               warmup=False)  # built anew, with the patched plan
+    assert not torch.equal(sg_generate(broken, ids, mask), ref)
+
+
+def test_attention_setting_resolves_and_is_checked(llama):
+    from specgraph.compiler import kernel_threads, resolve_attention
+
+    assert resolve_attention("auto", llama, "inductor") == "block_sparse"
+    assert resolve_attention("auto", llama, "eager") == "sdpa"
+    assert resolve_attention("sdpa", llama, "inductor") == "sdpa"
+    with pytest.raises(ValueError, match="attention must be"):
+        specgraph.compile(llama, backend="eager", attention="flash")
+    fast = specgraph.compile(llama, attention="block_sparse", warmup=False, max_seq_len=64)
+    threads = torch.get_num_threads()
+    try:  # more threads than the graphs' attention kernel was built for: refused, not run
+        torch.set_num_threads(kernel_threads() + 1)
+        with pytest.raises(RuntimeError, match="block-sparse attention graphs are built for"):
+            fast.check_threads()
+    finally:
+        torch.set_num_threads(threads)
+    fast.check_threads()
