@@ -11,12 +11,13 @@ aten = torch.ops.aten
 BLOCK = 64  # cache slots per block: a block a row cannot see is not read
 
 
-def attention_plan(mask: torch.Tensor, slots: int):
+def attention_plan(mask: torch.Tensor, slots: int, rows: int | None = None):
     """What every layer's block-sparse attention needs, computed once per step from the additive
     mask [B, 1, Q, W] (W <= ``slots``):
 
-    - the mask as a score bias [B, Q, S], S = ``slots`` rounded up to a whole block (the slots past
-      W are -inf: a static shape, whatever W is);
+    - the mask as a score bias [R, Q, S], S = ``slots`` rounded up to a whole block (the slots past
+      W are -inf), R = ``rows`` (a dynamic batch's largest; default B): a static shape, whatever W
+      and B are (the flex kernel's bias buffer must not have a dynamic size);
     - per row, the blocks some but not every query-slot pair of which is visible (the bias is
       added there): their count [B, 1, 1] int32 and those blocks first [B, 1, 1, S / BLOCK] int32;
     - the same for the blocks every query of the row sees whole (bias 0 throughout).
@@ -28,6 +29,8 @@ def attention_plan(mask: torch.Tensor, slots: int):
     bias = torch.cat([mask[:, 0], mask.new_full((B, Q, S - W), float("-inf"))], dim=-1)  # [B, Q, S]
     seen = (bias > float("-inf")).any(dim=1).view(B, S // BLOCK, BLOCK).any(dim=-1)  # [B, S/BLOCK]
     whole = (bias == 0).all(dim=1).view(B, S // BLOCK, BLOCK).all(dim=-1)
+    if rows is not None:
+        bias = torch.cat([bias, bias.new_full((rows - B, Q, S), float("-inf"))], dim=0)
     return (bias, *_listed(seen & ~whole), *_listed(whole))
 
 
@@ -61,8 +64,8 @@ def block_sparse_attention(q: torch.Tensor,  # [B, H, R*Q, D]: R query heads per
     return flex_attention(q, k[:, :, :width], v[:, :, :width], score_mod=add_mask, block_mask=blocks, scale=scale)
 
 
-def block_sparse_attention_pass(gm: fx.GraphModule, slots: int, mask_placeholder: str = "mask"
-                                ) -> tuple[fx.GraphModule, int]:
+def block_sparse_attention_pass(gm: fx.GraphModule, slots: int, max_batch: int | None = None,
+                                mask_placeholder: str = "mask") -> tuple[fx.GraphModule, int]:
     """Every attention call that :func:`attend_mask_width_pass` sliced to the mask's width skips,
     row by row, the cache blocks the row's mask hides (:func:`block_sparse_attention`).
 
@@ -74,7 +77,8 @@ def block_sparse_attention_pass(gm: fx.GraphModule, slots: int, mask_placeholder
     In a batch, the attended width W is what the longest row needs; the others' later slots are
     masked and cost the same to read. Here a row reads only the blocks it sees. Same attention
     up to float summation order. Only calls with no dropout, not causal, reading the mask input
-    itself (or its repeat over folded query heads) are rewritten. Returns (gm, calls rewritten).
+    itself (or its repeat over folded query heads) are rewritten. ``max_batch``: a graph whose
+    batch is dynamic, up to that many rows. Returns (gm, calls rewritten).
     """
     g = gm.graph
     mask = next((n for n in g.nodes if n.op == "placeholder" and n.name == mask_placeholder), None)
@@ -94,7 +98,7 @@ def block_sparse_attention_pass(gm: fx.GraphModule, slots: int, mask_placeholder
             continue
         if plan is None:  # before the first attention call, so before them all
             with g.inserting_before(node):
-                plan = g.call_function(attention_plan, (mask, slots))
+                plan = g.call_function(attention_plan, (mask, slots, max_batch))
         scale = node.args[6] if len(node.args) > 6 else node.kwargs.get("scale")
         with g.inserting_before(node):
             out = g.call_function(block_sparse_attention, (q, k.args[0], v.args[0], k.args[3], plan),

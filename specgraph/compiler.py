@@ -928,7 +928,7 @@ class SpecGraphModel:
             model = self.model if which == "target" else self.draft_model
             gm, counts = run_step_pipeline(capture_step(model, B, Q, self.slots, max_batch), layer_windows(model))
             if self.attention == "block_sparse":
-                gm, counts["block_sparse_attention_pass"] = block_sparse_attention_pass(gm, self.slots)
+                gm, counts["block_sparse_attention_pass"] = block_sparse_attention_pass(gm, self.slots, max_batch)
             self.pass_counts[key] = counts
             self._steps[key] = gm
         return self._steps[key]
