@@ -77,7 +77,7 @@ from specgraph.artifacts import (
     model_fingerprint, safe_path, verify_files, versions,
 )
 from specgraph.capture import kv_layout
-from specgraph.compiler import SpecGraphModel, resolve_autotune
+from specgraph.compiler import SpecGraphModel, resolve_attention, resolve_autotune
 from specgraph.graphset import GraphSpec, MODES, Progress, batch_buckets
 from specgraph.graphset import plan as plan_graph_set
 from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key, width_range
@@ -333,7 +333,8 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
 
     top_vocab = model.get_output_embeddings().weight.shape[0]
     fast = specgraph.compile(model, draft, num_speculative_tokens=num_speculative_tokens, tree=tree, backend="eager",
-                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, warmup=False)
+                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, warmup=False,
+                             attention=resolve_attention("auto", model, "inductor"))  # the JIT's attention
     default = fast.default_sampling()
     top_k, top_p, min_p = (default.top_k if top_k == "model" else top_k, default.top_p if top_p == "model" else top_p,
                            default.min_p if min_p == "model" else min_p)
@@ -434,6 +435,8 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
             "modes": list(modes),
             "freeze": freeze,
             "autotune": autotune,
+            "attention": fast.attention,
+            "kernel_threads": fast.built_threads if fast.attention == "block_sparse" else None,
             "sampling": {"temperature": "input", "top_k": top_k, "top_p": top_p, "min_p": min_p},
         },
         "kv": {"shape_per_layer": ["batch", kv_heads, fast.slots, head_dim], "tensors": 2 * layers,
@@ -885,7 +888,9 @@ def load_dir(
         k = s["num_speculative_tokens"] if s["draft"] is not None else 1  # plain decoding records K = 0
         fast = sg_compile(model, s["draft"], num_speculative_tokens=k, tree=tree,
                           backend="inductor", max_batch_size=s["max_batch_size"], max_seq_len=s["max_seq_len"],
-                          warmup=False)  # the directory's packages serve the rounds
+                          warmup=False, attention=s.get("attention", "sdpa"))  # the directory's packages serve the rounds
+    if s.get("kernel_threads"):
+        fast.built_threads = s["kernel_threads"]
     if fast.fallback_reason is not None:
         raise ArtifactError(f"{d}: the model cannot be served by the compiled graphs here: {fast.fallback_reason}")
     if s["draft"] is not None and s["tree"] is None and s["k_ladder"]:

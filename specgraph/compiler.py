@@ -462,11 +462,27 @@ def assemble_output(input_ids, new: list[list[int]], pad_token_id) -> torch.Tens
 
 def kernel_threads() -> int:
     """The threads a block-sparse attention kernel is built for: the machine's logical CPUs.
-    Inductor's flex attention template sizes its per-thread scratch buffers by the thread count
-    it was built with, and runs on the ATen pool of the calling process: more threads at run time
+    Inductor's flex attention template sizes its per-thread scratch buffers by a thread count fixed
+    when it is built, and runs on the ATen pool of the calling process: more threads at run time
     than at build time write past those buffers, so graphs are built for the most a process can
     usefully run, and :meth:`SpecGraphModel.check_threads` refuses more."""
     return os.cpu_count() or 1
+
+
+def _flex_buffers_for_kernel_threads() -> bool:
+    """Have Inductor's CPU flex attention template size its buffers for :func:`kernel_threads`
+    rather than for ``config.cpp.threads`` (which is 1 here, see :func:`inductor_settings`). False
+    where this torch has no such template function: the graph then gets
+    ``cpp.threads = kernel_threads()`` for every kernel instead (a little slower, as safe)."""
+    try:
+        from torch._inductor.kernel.flex import flex_cpu  # noqa: F401 - loads the template module without a cycle
+        from torch._inductor.codegen import cpp_flex_attention_template as template
+    except ImportError:
+        return False
+    if not callable(getattr(template, "parallel_num_threads", None)):
+        return False
+    template.parallel_num_threads = kernel_threads
+    return True
 
 
 def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sdpa") -> dict:
@@ -476,9 +492,8 @@ def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sd
     the few-row GEMMs of a decode round; about 12% more build time per graph, and it pays with
     frozen weights only). No autotune tables or stats reach the user's terminal.
     On CPU the per-step elementwise kernels are tiny: one OpenMP region each costs more than it
-    saves, so they run single-threaded (GEMMs still use all threads), except in graphs with
-    block-sparse attention, whose flex attention kernel needs its true thread count
-    (:func:`kernel_threads`)."""
+    saves, so they run single-threaded (GEMMs still use all threads); a block-sparse attention
+    kernel is built for :func:`kernel_threads` threads whatever that setting says."""
     memoize_kernel_templates()
     config = {"freezing": freeze}
     if autotune:
@@ -488,7 +503,8 @@ def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sd
         if hasattr(torch._inductor.config, quiet):
             config[quiet] = value
     if device.type == "cpu":
-        config["cpp.threads"] = kernel_threads() if attention == "block_sparse" else 1
+        sized = attention != "block_sparse" or _flex_buffers_for_kernel_threads()
+        config["cpp.threads"] = 1 if sized else kernel_threads()
     return config
 
 
@@ -690,6 +706,8 @@ class SpecGraphModel:
         # chooses each round's chain depth when set (num_speculative_tokens="auto": specgraph.adaptive)
         self.policy = None
         self.backend, self.freeze, self.autotune, self.attention = cfg.backend, cfg.freeze, cfg.autotune, cfg.attention
+        # the threads block-sparse graphs are built for (a compiled directory's: its manifest's)
+        self.built_threads = kernel_threads()
         self.max_batch_size, self.max_seq_len, self.slots = cfg.max_batch_size, cfg.max_seq_len, cfg.slots
         # frozen graphs each copy their weights: a process-wide budget (specgraph.freezing) decides
         # per graph; graph_frozen records what each compiled graph got
@@ -971,10 +989,11 @@ class SpecGraphModel:
 
     def check_threads(self) -> None:
         """Refuse to run block-sparse graphs on more threads than they were built for
-        (:func:`kernel_threads`): their attention kernel's scratch buffers would overflow."""
-        if torch.get_num_threads() > kernel_threads():
-            raise RuntimeError(f"torch.get_num_threads() is {torch.get_num_threads()}, above this machine's "
-                               f"{kernel_threads()} CPUs that block-sparse attention graphs are built for: "
+        (``built_threads``, :func:`kernel_threads`): their attention kernel's scratch buffers would
+        overflow."""
+        if torch.get_num_threads() > self.built_threads:
+            raise RuntimeError(f"torch.get_num_threads() is {torch.get_num_threads()}, above the "
+                               f"{self.built_threads} threads block-sparse attention graphs are built for: "
                                "lower it (torch.set_num_threads), or compile with attention='sdpa'")
 
     def _compiled(self, name: str, fn, weights=None):
