@@ -30,7 +30,8 @@ def attention_plan(mask: torch.Tensor, slots: int, rows: int | None = None):
     seen = (bias > float("-inf")).any(dim=1).view(B, S // BLOCK, BLOCK).any(dim=-1)  # [B, S/BLOCK]
     whole = (bias == 0).all(dim=1).view(B, S // BLOCK, BLOCK).all(dim=-1)
     if rows is not None:
-        bias = torch.cat([bias, bias.new_full((rows - B, Q, S), float("-inf"))], dim=0)
+        rows_at = torch.arange(B, device=bias.device)  # a scatter: Inductor keeps its result a buffer
+        bias = bias.new_full((rows, Q, S), float("-inf")).index_put((rows_at,), bias)
     return (bias, *_listed(seen & ~whole), *_listed(whole))
 
 
