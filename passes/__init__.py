@@ -12,6 +12,8 @@ The pipeline, in order (see :func:`run_step_pipeline`):
    one graph serves every attended width (W is a dynamic dimension under ``torch.compile``).
 
 ``attend_prefix_pass`` is the static form of step 4 (a copy of the graph per width).
+``block_sparse_attention_pass`` (``compile(attention="block_sparse")``, the CPU default) follows
+step 4: each row's attention reads only the cache blocks its mask shows, as flex attention.
 
 Capture itself (the static KV cache with per-row write slots) is :mod:`specgraph.capture`.
 """

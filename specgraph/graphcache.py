@@ -81,7 +81,7 @@ from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph
 from specgraph.warping import SamplingParams
 
 FORMAT = "specgraph-graph-cache"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 KEY_FILE = "key.json"
 ENV_ROOT = "SPECGRAPH_GRAPH_CACHE"
 DISK_MARGIN_BYTES = 1 << 30  # left free on the cache's disk
