@@ -62,7 +62,16 @@ def block_sparse_attention(q: torch.Tensor,  # [B, H, R*Q, D]: R query heads per
     def add_mask(score, b, h, i, j):
         return score + bias[b, i % Q, j]
 
-    return flex_attention(q, k[:, :, :width], v[:, :, :width], score_mod=add_mask, block_mask=blocks, scale=scale)
+    return flex_attention(_buffer(q), k[:, :, :width], v[:, :, :width], score_mod=add_mask, block_mask=blocks,
+                          scale=scale)
+
+
+def _buffer(x: torch.Tensor) -> torch.Tensor:
+    """``x`` written to a buffer of its own by a scatter, which Inductor does not fuse into the
+    kernel that reads it: fused into the CPU flex attention kernel, the query's producers (the
+    rotary embedding) are indexed wrongly when the query is a view of them (one query per head
+    group: the head-folding reshape copies nothing)."""
+    return x.new_empty(x.shape).index_put((torch.arange(x.shape[0], device=x.device),), x)
 
 
 def block_sparse_attention_pass(gm: fx.GraphModule, slots: int, max_batch: int | None = None,
