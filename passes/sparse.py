@@ -30,8 +30,9 @@ def attention_plan(mask: torch.Tensor, slots: int, rows: int | None = None):
     seen = (bias > float("-inf")).any(dim=1).view(B, S // BLOCK, BLOCK).any(dim=-1)  # [B, S/BLOCK]
     whole = (bias == 0).all(dim=1).view(B, S // BLOCK, BLOCK).all(dim=-1)
     if rows is not None:
-        rows_at = torch.arange(B, device=bias.device)  # a scatter: Inductor keeps its result a buffer
-        bias = bias.new_full((rows, Q, S), float("-inf")).index_put((rows_at,), bias)
+        # at least two rows of padding (a piece of 0 or 1 rows would make export guard the batch
+        # below its top: sizes 0 and 1 are special cases), then cut to the static size
+        bias = torch.cat([bias, bias.new_full((rows + 2 - B, Q, S), float("-inf"))], dim=0)[:rows]
     return (bias, *_listed(seen & ~whole), *_listed(whole))
 
 

@@ -98,3 +98,26 @@ def test_block_sparse_step_compiles_and_matches_eager(Q):
         ref = sparse(ids, pos, mask, pos.clone(), *kv)[0]
         out = compiled(ids, pos, mask, pos.clone(), *kv2)[0]
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_block_sparse_dynamic_batch_step_matches_eager():
+    """A step whose batch is dynamic (the graph cache's larger buckets, here up to 8 rows) pads the
+    score bias to its largest batch: compiled by Inductor, rows 4 and 6 equal eager."""
+    from specgraph.compiler import inductor_settings
+
+    model = tiny_llama(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    Q, S = 1, 2049
+    gm, _ = run_step_pipeline(capture_step(model, 4, Q, S, 8))
+    sparse, _ = block_sparse_attention_pass(gm, S, max_batch=8)
+    compiled = torch.compile(sparse, dynamic=False,
+                             options=inductor_settings(torch.device("cpu"), False, False, "block_sparse"))
+    for B in (4, 6):
+        L = torch.randint(10, 190, (B,), generator=torch.Generator().manual_seed(B))
+        ids, pos, mask = chain_inputs(L, Q, S, 192)
+        kv = [t.normal_() for t in new_kv_cache(model, B, S)]
+        args = [ids, pos, mask, pos.clone(), *[t.clone() for t in kv]]
+        for a in args:
+            torch._dynamo.mark_dynamic(a, 0)
+        ref = sparse(ids, pos, mask, pos.clone(), *[t.clone() for t in kv])[0]
+        torch.testing.assert_close(compiled(*args)[0], ref, atol=1e-5, rtol=1e-5)
