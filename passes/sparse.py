@@ -82,14 +82,15 @@ def block_sparse_attention_pass(gm: fx.GraphModule, slots: int, max_batch: int |
 
     Before::   w = sym_size(mask, 3)
                o = sdpa(q, k[:, :, :w], v[:, :, :w], repeat(mask, [1, 1, R, 1]), scale=s)
-    After::    plan = attention_plan(mask, S)                        # once per step
+    After::    plan = attention_plan(mask, S, max_batch)             # once per step
                o = block_sparse_attention(q, k, v, w, plan, scale=s)
 
     In a batch, the attended width W is what the longest row needs; the others' later slots are
     masked and cost the same to read. Here a row reads only the blocks it sees. Same attention
     up to float summation order. Only calls with no dropout, not causal, reading the mask input
-    itself (or its repeat over folded query heads) are rewritten. ``max_batch``: a graph whose
-    batch is dynamic, up to that many rows. Returns (gm, calls rewritten).
+    itself (or its repeat over folded query heads) are rewritten: a mixed-window model's sliding
+    layers, which read a band of the mask, keep SDPA. ``max_batch``: a graph whose batch is
+    dynamic, up to that many rows. Returns (gm, calls rewritten).
     """
     g = gm.graph
     mask = next((n for n in g.nodes if n.op == "placeholder" and n.name == mask_placeholder), None)
