@@ -55,7 +55,7 @@ def _compiled(job: dict):
     s = job["settings"]
     fast = api.compile(_load_model(job), s["draft"], num_speculative_tokens=s["num_speculative_tokens"],
                        max_batch_size=s["max_batch_size"], max_seq_len=s["max_seq_len"], freeze=s["freeze"],
-                       autotune=s["autotune"], attention=s["attention"], warmup=False)
+                       autotune=s["autotune"], attention=s.get("attention", "auto"), warmup=False)
     digest = graphcache.key_digest(graphcache.entry_key(fast))
     if digest != job["digest"]:
         raise RuntimeError(f"the helper's graph-cache key {digest} is not the parent's {job['digest']}")

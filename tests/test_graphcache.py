@@ -288,7 +288,9 @@ def assert_rows_equal(model, fast, B: int, seed: int = 3) -> None:
 
 
 def test_batches_above_one_share_a_dynamic_batch_package(model, tmp_path):
-    settings = {**SETTINGS, "max_batch_size": 8, "modes": ("greedy",)}
+    # SDPA attention: this tiny model's block-sparse round over batches 2-8 does not export with a
+    # dynamic batch (a guard ties the batch to its 2 K/V heads), and falls back to a graph per bucket
+    settings = {**SETTINGS, "max_batch_size": 8, "modes": ("greedy",), "attention": "sdpa"}
     fast = specgraph.compile(model, "ngram", cache=tmp_path, **settings)
     info = fast.graph_cache
     unique = counters["stats"]["unique_graphs"]  # from here on (the requests), Dynamo compiles nothing
