@@ -334,7 +334,7 @@ def test_a_model_that_fixes_its_batch_gets_a_package_per_bucket(model, tmp_path,
         return capture_step(m, batch, q_len, slots)
 
     monkeypatch.setattr(compiler, "capture_step", static_only)
-    settings = {**SETTINGS, "max_batch_size": 8, "modes": ("greedy",)}
+    settings = {**SETTINGS, "max_batch_size": 8, "modes": ("greedy",), "attention": "sdpa"}  # quicker builds
     with pytest.warns(UserWarning, match="round_b4-8_k0_greedy does not export with a dynamic batch"):
         fast = specgraph.compile(model, None, cache=tmp_path, **settings)
     folder = Path(fast.graph_cache["path"])
@@ -370,7 +370,7 @@ def test_a_helper_process_builds_beside_the_compiling_one(model, tmp_path, monke
         return real(fast, folder, *args)
 
     monkeypatch.setattr(graphcache, "build_package", after_the_helper_started)
-    settings = {**SETTINGS, "max_batch_size": 2, "modes": ("greedy",)}
+    settings = {**SETTINGS, "max_batch_size": 2, "modes": ("greedy",), "attention": "sdpa"}  # quicker builds
     fast = specgraph.compile(model, "ngram", cache=tmp_path, refine="now", **settings)
     info = fast.graph_cache
     unique = counters["stats"]["unique_graphs"]  # from here on (the requests), Dynamo compiles nothing
@@ -412,7 +412,7 @@ def test_the_helper_refuses_another_model(model, tmp_path):
 def test_a_helper_that_fails_leaves_the_graphs_to_this_process(model, tmp_path, monkeypatch):
     monkeypatch.setenv(graphcache.ENV_HELPER, "on")
     monkeypatch.setattr(graphcache.sys, "executable", "/bin/false")  # the helper exits at once
-    settings = {**SETTINGS, "max_batch_size": 2, "modes": ("greedy",)}
+    settings = {**SETTINGS, "max_batch_size": 2, "modes": ("greedy",), "attention": "sdpa"}  # quicker builds
     with pytest.warns(UserWarning, match="build helper process stopped"):
         fast = specgraph.compile(model, None, cache=tmp_path, **settings)
     info = fast.graph_cache
@@ -430,7 +430,7 @@ def test_batch_one_first_and_the_rest_in_the_background(model, tmp_path, monkeyp
     from specgraph.warping import SamplingParams
 
     monkeypatch.setenv(graphcache.ENV_HELPER, "on")
-    settings = {**SETTINGS, "max_batch_size": 8, "modes": ("greedy",)}
+    settings = {**SETTINGS, "max_batch_size": 8, "modes": ("greedy",), "attention": "sdpa"}  # quicker builds
     fast = specgraph.compile(model, "ngram", cache=tmp_path, refine="background", **settings)
     info = fast.graph_cache
     unique = counters["stats"]["unique_graphs"]  # from here on (the requests), Dynamo compiles nothing
@@ -473,7 +473,7 @@ def test_batch_one_first_and_the_rest_in_the_background(model, tmp_path, monkeyp
 
 def test_background_without_a_helper_builds_now_and_says_so(model, tmp_path, monkeypatch):
     monkeypatch.setenv(graphcache.ENV_HELPER, "off")
-    settings = {**SETTINGS, "max_batch_size": 2, "modes": ("greedy",)}
+    settings = {**SETTINGS, "max_batch_size": 2, "modes": ("greedy",), "attention": "sdpa"}  # quicker builds
     with pytest.warns(UserWarning, match="no helper process can build"):
         fast = specgraph.compile(model, None, cache=tmp_path, refine="background", **settings)
     assert fast.graph_cache["built"] == 2 and fast.graph_cache["refining"] == 0
