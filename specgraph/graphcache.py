@@ -70,7 +70,6 @@ from pathlib import Path
 import torch
 
 from specgraph.capture import UnsupportedModel
-from specgraph.compiler import kernel_threads
 from specgraph.artifacts import (
     ArtifactError, canonical_config, cpu_capability, cpu_model, file_entry, verify_files, versions, weights_sha256,
 )
@@ -138,7 +137,7 @@ def entry_key(fast) -> dict:
         "window": fast.window,
         "autotune": fast.autotune,
         "attention": fast.attention,
-        "kernel_threads": kernel_threads() if fast.attention == "block_sparse" else None,
+        "kernel_threads": fast.built_threads if fast.attention == "block_sparse" else None,
         "sampling": list(_filters(fast)),
         "versions": {**versions(), "python": platform.python_version()},
         "machine": {"cpu": cpu_model(), "isa": cpu_capability(), "arch": platform.machine(), "device": "cpu"},
