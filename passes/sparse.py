@@ -15,9 +15,9 @@ def attention_plan(mask: torch.Tensor, slots: int, rows: int | None = None):
     """What every layer's block-sparse attention needs, computed once per step from the additive
     mask [B, 1, Q, W] (W <= ``slots``):
 
-    - the mask as a score bias [R, Q, S], S = ``slots`` rounded up to a whole block (the slots past
-      W are -inf), R = ``rows`` (a dynamic batch's largest; default B): a static shape, whatever W
-      and B are (the flex kernel's bias buffer must not have a dynamic size);
+    - the mask as a score bias [R, Q, S + BLOCK], S = ``slots`` rounded up to a whole block (the
+      slots past W are -inf), R = ``rows`` (a dynamic batch's largest; default B): a static
+      shape, whatever W and B are (the flex kernel's bias buffer must not have a dynamic size);
     - per row, the blocks some but not every query-slot pair of which is visible (the bias is
       added there): their count [B, 1, 1] int32 and those blocks first [B, 1, 1, S / BLOCK] int32;
     - the same for the blocks every query of the row sees whole (bias 0 throughout).
@@ -26,13 +26,16 @@ def attention_plan(mask: torch.Tensor, slots: int, rows: int | None = None):
     """
     B, _, Q, W = mask.shape
     S = -(-slots // BLOCK) * BLOCK
-    bias = torch.cat([mask[:, 0], mask.new_full((B, Q, S - W), float("-inf"))], dim=-1)  # [B, Q, S]
-    seen = (bias > float("-inf")).any(dim=1).view(B, S // BLOCK, BLOCK).any(dim=-1)  # [B, S/BLOCK]
-    whole = (bias == 0).all(dim=1).view(B, S // BLOCK, BLOCK).all(dim=-1)
+    # one block more than S, never read: the padding is never empty, so the bias is always a
+    # concatenation, a buffer of its own (the flex kernel refuses a bias that is a fused
+    # computation, which an empty piece would leave when a mask computed in the graph is S wide)
+    bias = torch.cat([mask[:, 0], mask.new_full((B, Q, S + BLOCK - W), float("-inf"))], dim=-1)  # [B, Q, S+BLOCK]
+    seen = (bias[..., :S] > float("-inf")).any(dim=1).view(B, S // BLOCK, BLOCK).any(dim=-1)  # [B, S/BLOCK]
+    whole = (bias[..., :S] == 0).all(dim=1).view(B, S // BLOCK, BLOCK).all(dim=-1)
     if rows is not None:
         # at least two rows of padding (a piece of 0 or 1 rows would make export guard the batch
         # below its top: sizes 0 and 1 are special cases), then cut to the static size
-        bias = torch.cat([bias, bias.new_full((rows + 2 - B, Q, S), float("-inf"))], dim=0)[:rows]
+        bias = torch.cat([bias, bias.new_full((rows + 2 - B, Q, S + BLOCK), float("-inf"))], dim=0)[:rows]
     return (bias, *_listed(seen & ~whole), *_listed(whole))
 
 

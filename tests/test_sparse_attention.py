@@ -44,7 +44,7 @@ def test_plan_lists_each_rows_visible_blocks_first():
     L = torch.tensor([3, 130, 64])
     _, _, mask = chain_inputs(L, 2, 300, 200)
     bias, count, order, whole, whole_order = attention_plan(mask, 300)
-    assert bias.shape == (3, 2, 320) and torch.equal(bias[:, :, :200], mask[:, 0])
+    assert bias.shape == (3, 2, 320 + BLOCK) and torch.equal(bias[:, :, :200], mask[:, 0])
     # rows see slots 0..4, 0..131 and 0..65: the blocks they see whole, then those they see in part
     assert whole.flatten().tolist() == [0, 2, 1] and count.flatten().tolist() == [1, 1, 1]
     assert whole_order[1, 0, 0, :2].tolist() == [0, 1] and order[1, 0, 0, 0].item() == 2
@@ -121,3 +121,29 @@ def test_block_sparse_dynamic_batch_step_matches_eager():
             torch._dynamo.mark_dynamic(a, 0)
         ref = sparse(ids, pos, mask, pos.clone(), *[t.clone() for t in kv])[0]
         torch.testing.assert_close(compiled(*args)[0], ref, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_block_sparse_step_with_a_computed_full_width_mask_compiles():
+    """A mask computed inside the compiled graph (a prefill package builds it from the positions)
+    as wide as the whole cache: without padding the score bias would be that computation itself,
+    and the flex kernel needs it as a buffer of its own (Inductor refuses a fused one:
+    "All the buffers in the score and mask subgraph should be in kernel_group.args.input_buffers")."""
+    from specgraph.compiler import inductor_settings
+
+    model = tiny_llama(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    B, Q, S = 1, 16, 2 * BLOCK
+    gm, _ = run_step_pipeline(capture_step(model, B, Q, S))
+    sparse, _ = block_sparse_attention_pass(gm, S)
+
+    def step(ids, pos, *kv):  # causal mask over all S slots, built in the graph
+        s = torch.arange(S)
+        mask = torch.where(s[None, None] <= pos[..., None], 0.0, NEG)[:, None]  # [B, 1, Q, S]
+        return sparse(ids, pos, mask, pos.clone(), *kv)[0]
+
+    compiled = torch.compile(step, dynamic=False,
+                             options=inductor_settings(torch.device("cpu"), False, False, "block_sparse"))
+    ids, pos = torch.arange(Q).view(B, Q) + 3, torch.arange(Q).view(B, Q) + 40
+    kv = [t.normal_() for t in new_kv_cache(model, B, S)]
+    ref = step(ids, pos, *[t.clone() for t in kv])
+    torch.testing.assert_close(compiled(ids, pos, *[t.clone() for t in kv]), ref, atol=1e-5, rtol=1e-5)
