@@ -168,6 +168,28 @@ def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None, hidden=
     return (logits, last_hidden) if hidden else logits
 
 
+def packed_layout(starts: list[int], lengths: list[int], device=None):
+    """Several rows' next prompt tokens as one sequence, each row with a segment of its own in
+    one packed cache: row r's segment holds its committed slots 0 .. starts[r] - 1, then its
+    lengths[r] new tokens. A token sees the slots of its own segment up to itself, never another
+    row's. Returns position ids [1, T] (the row's own positions), the packed slots the tokens
+    write [1, T], the additive mask [1, 1, T, Wp] and each segment's offset in the packed cache
+    (T = sum(lengths), Wp = sum(starts) + T)."""
+    offsets, pos, slot, lo = [], [], [], []
+    o = 0
+    for s0, n in zip(starts, lengths):
+        offsets.append(o)
+        pos.append(torch.arange(s0, s0 + n))
+        slot.append(torch.arange(o + s0, o + s0 + n))
+        lo.append(torch.full((n,), o))
+        o += s0 + n
+    pos, slot, lo = torch.cat(pos), torch.cat(slot), torch.cat(lo)
+    s = torch.arange(o)
+    vis = (s >= lo.unsqueeze(1)) & (s <= slot.unsqueeze(1))  # [T, Wp]
+    mask = torch.zeros(vis.shape).masked_fill(~vis, NEG_INF).view(1, 1, *vis.shape)
+    return pos.view(1, -1).to(device), slot.view(1, -1).to(device), mask.to(device), offsets
+
+
 def chain_round(step, k: int, slots: int, window, params: SamplingParams, *, use_q: bool = False,
                 spec: LogitsSpec | None = None, want_scores: bool = False, top_n: int = -1,
                 with_features: bool = False, greedy_rows: bool = False):
@@ -1136,6 +1158,38 @@ class SpecGraphModel:
         # slot these rows hold (each row holds the positions before its start)
         W = min(self.slots, int(starts.max()) + C + 1)
         prefill_logits(self._fill_step, ids, pos, valid, [t[:, :, :W] for t in kv], W, self.window)
+
+    @property
+    def packs_prefill(self) -> bool:
+        """Whether :meth:`prefill_packed` applies: a model whose attention sees a cache slot by
+        its mask alone (no sliding window, no ALiBi bias counted in slots)."""
+        return self.window is None and layer_windows(self.model) is None and not uses_alibi(self.model)
+
+    def prefill_packed(self, kv: list[torch.Tensor], rows: list[int], starts: list[int],
+                       chunks: list[torch.Tensor]) -> None:
+        """Write the prompt tokens ``chunks[i]`` (long [n_i]) of cache rows ``rows[i]`` at
+        positions ``starts[i]`` on, in one call of the model with no padding: the rows' committed
+        slots and new tokens are laid out one row after another in a packed cache
+        (:func:`packed_layout`), a token attending its own row's segment only, and what the call
+        wrote is copied back to each row. Rows of different chunk lengths would otherwise take
+        a call each (every call reads all the weights) or pad to the longest. ``kv``: the cache
+        tensors [B, H, slots, D]; needs :attr:`packs_prefill`."""
+        if not self.packs_prefill:
+            raise ValueError("packed prefill needs a model without sliding windows or ALiBi")
+        device = kv[0].device
+        lengths = [int(c.numel()) for c in chunks]
+        pos, slot, mask, offsets = packed_layout(starts, lengths, device)
+        packed = []
+        for t in kv:
+            p = t.new_empty(1, t.shape[1], mask.shape[-1], t.shape[3])
+            for r, o, s0 in zip(rows, offsets, starts):
+                p[0, :, o: o + s0] = t[r, :, :s0]
+            packed.append(p)
+        ids = torch.cat([c.to(device) for c in chunks]).view(1, -1)
+        self._fill_step(ids, pos, mask.to(kv[0].dtype), slot, *packed)
+        for t, p in zip(kv, packed):
+            for r, o, s0, n in zip(rows, offsets, starts, lengths):
+                t[r, :, s0: s0 + n] = p[0, :, o + s0: o + s0 + n]
 
     def _key_params(self, params: SamplingParams, extras: "RoundExtras | None") -> object:
         """A round graph's settings slot in its key: the graph's sampling settings, paired with the

@@ -133,6 +133,7 @@ class EngineStats:
     rounds: int = 0
     prefill_tokens: int = 0  # prompt tokens computed by prefill
     prefix_tokens: int = 0  # prompt tokens copied from the prefix cache instead
+    packed_prefills: int = 0  # prefill calls that packed several rows' chunks into one sequence
     depth_rounds: dict = field(default_factory=lambda: collections.Counter())  # depth -> rounds
     drafted: dict = field(default_factory=lambda: collections.Counter())  # position -> drafts verified there
     accepted: dict = field(default_factory=lambda: collections.Counter())  # position -> accepted there
@@ -402,8 +403,17 @@ class ServingEngine:
         """Copy in every waiting row's prompt blocks that the prefix cache holds, then compute up
         to ``prefill_chunk`` prompt tokens, oldest waiting row first, keeping their whole blocks
         (a row that waits behind another with the same prompt copies what that one computed).
-        Neighbouring rows' chunks go through one call (:meth:`_prefill_runs`)."""
-        budget, plan = self.prefill_chunk, []
+
+        While more rows wait for their prompt than decode, the pass computes twice as many: fewer
+        rounds come between a burst of requests and its last first token, and the rounds then
+        serve the fewer rows. A prompt whose rest is within a quarter of the chunk is finished
+        now rather than left for a call of its own. The chunks go through one call, packed
+        (:meth:`SpecGraphModel.prefill_packed`) where the model allows it and the rows' chunks do
+        not form one run of equal lengths, else a call per run of neighbouring rows
+        (:meth:`_prefill_runs`)."""
+        waiting = sum(not r.decoding for r in self.rows)
+        budget = self.prefill_chunk * (2 if 2 * waiting > len(self.rows) else 1)
+        plan: list[tuple[int, int]] = []
         for i, row in enumerate(self.rows):
             if row.decoding:
                 continue
@@ -415,26 +425,43 @@ class ServingEngine:
             if row.decoding:
                 self._start_decoding(i)
             elif budget > 0 and not self._computed_by(i, plan):
-                n = min(budget, len(prompt) - 1 - row.prefilled)
+                left = len(prompt) - 1 - row.prefilled
+                n = left if left - budget <= self.prefill_chunk // 4 else budget
                 plan.append((i, n))
                 budget -= n
-        for run in self._prefill_runs(plan):
+        runs = self._prefill_runs(plan)
+        padding = sum(len(run) * max(n for _, n in run) - sum(n for _, n in run) for run in runs)
+        if self.fast.packs_prefill and (len(runs) > 1 or padding):
+            self.fast.prefill_packed(self.kv, [i for i, _ in plan], [self.rows[i].prefilled for i, _ in plan],
+                                     [torch.tensor(self._next_prompt_tokens(i, n)) for i, n in plan])
+            runs = []
+            self.stats.packed_prefills += 1
+            self._prefilled(plan)
+        for run in runs:
             lo, hi = run[0][0], run[-1][0] + 1
             C = max(n for _, n in run)
             ids = torch.zeros(hi - lo, C, dtype=torch.long)
             for i, n in run:
-                row = self.rows[i]
-                ids[i - lo, :n] = torch.tensor(row.handle.req.prompt[row.prefilled: row.prefilled + n])
+                ids[i - lo, :n] = torch.tensor(self._next_prompt_tokens(i, n))
             self.fast.prefill_chunk([t[lo:hi] for t in self.kv], ids.to(self.device),
                                     [self.rows[i].prefilled for i, _ in run], [n for _, n in run])
-            for i, n in run:
-                row = self.rows[i]
-                row.prefilled += n
-                self.stats.prefill_tokens += n
-                if self.prefix is not None:
-                    self.prefix.store(row.handle.req.prompt[: row.prefilled], self.kv, i)
-                if row.decoding:
-                    self._start_decoding(i)
+            self._prefilled(run)
+
+    def _next_prompt_tokens(self, i: int, n: int) -> list[int]:
+        row = self.rows[i]
+        return row.handle.req.prompt[row.prefilled: row.prefilled + n]
+
+    def _prefilled(self, plan: list[tuple[int, int]]) -> None:
+        """Rows i have n more prompt tokens in their cache: store whole blocks for reuse, and
+        start decoding the rows whose prompt is in."""
+        for i, n in plan:
+            row = self.rows[i]
+            row.prefilled += n
+            self.stats.prefill_tokens += n
+            if self.prefix is not None:
+                self.prefix.store(row.handle.req.prompt[: row.prefilled], self.kv, i)
+            if row.decoding:
+                self._start_decoding(i)
 
     def _computed_by(self, i: int, plan: list[tuple[int, int]]) -> bool:
         """Whether a row already planned this pass computes a whole prompt block that row i needs
@@ -478,14 +505,17 @@ class ServingEngine:
 
     def _round(self) -> None:
         t0 = time.perf_counter()
-        m = len(self.rows)
+        # the round covers the rows up to the last decoding one: rows still prefilling after it
+        # (the newest, mostly) do not make it run a larger bucket
+        m = 1 + max(i for i, r in enumerate(self.rows) if r.decoding)
         b = next(x for x in batch_buckets(self.B) if x >= m)
-        live = [r.decoding for r in self.rows] + [False] * (b - m)
+        live = [r.decoding for r in self.rows[:m]] + [False] * (b - m)
         L_host = self.L[:b].tolist()
         need = max(L_host[i] for i in range(m) if live[i]) + self.K + 1
         width = self.fast.round_width(need)
         drafts, matched = self._propose(b, live)
-        k = self.policy.choose(b, [(r.acc, r.cnt) for r in self.rows], [live[i] and matched[i] for i in range(m)])
+        on = [i for i in range(m) if live[i]]
+        k = self.policy.choose(b, [(self.rows[i].acc, self.rows[i].cnt) for i in on], [matched[i] for i in on])
         drafts = drafts[:, :k]
         kv = [t[:b] for t in self.kv]
         greedy = [live[i] and self.rows[i].handle.req.temperature == 0 for i in range(m)] + [False] * (b - m)
@@ -559,7 +589,7 @@ class ServingEngine:
         adv = [0] * len(tokens_h)
         now = time.perf_counter()
         emitted = 0
-        for i, row in enumerate(self.rows):
+        for i, row in enumerate(self.rows[: len(live)]):
             if not live[i]:
                 continue
             got = tokens_h[i][: n_h[i]]

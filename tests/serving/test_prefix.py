@@ -111,8 +111,8 @@ def test_identical_prompts_arriving_together_are_computed_once():
 
 def test_short_chunks_of_neighbouring_rows_share_one_call():
     """Four prompts sharing 40 tokens arrive together: the first computes the shared blocks, the
-    others wait a pass, copy them and compute their own tails together in one call; every output
-    equals generate."""
+    others wait a pass, copy them and compute their own tails together in one packed call (no
+    padding); every output equals generate."""
     model = tiny()
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(6, 120, (40,), generator=g).tolist()
@@ -122,8 +122,11 @@ def test_short_chunks_of_neighbouring_rows_share_one_call():
     calls = []
     prefill = fast.prefill_chunk
     fast.prefill_chunk = lambda kv, ids, *a: (calls.append(tuple(ids.shape)), prefill(kv, ids, *a))
+    packed = fast.prefill_packed
+    fast.prefill_packed = lambda kv, rows, starts, chunks: (
+        calls.append(("packed", starts, [len(c) for c in chunks])), packed(kv, rows, starts, chunks))
     engine = ServingEngine(fast, prefill_chunk=64, prefix_block=8)
     outs, _ = run_all(engine, [ServeRequest(p, 10, eos=(EOS,)) for p in ps])
     assert outs == want
-    assert calls == [(1, 44), (3, 6)]  # the tails: 2, 6 and 3 tokens, padded to 6
+    assert calls == [(1, 44), ("packed", [40] * 3, [2, 6, 3])]  # the tails, after the copied blocks
     assert engine.stats.prefix_tokens == 3 * 40 and engine.stats.prefill_tokens == 44 + 2 + 6 + 3
