@@ -30,6 +30,7 @@ def compile(
     generation_config=None,
     refine: str = "auto",
     attention: str = "auto",
+    packed_prefill: bool = False,
 ) -> SpecGraphModel:
     """Compile ``model`` (an HF causal LM in eval mode) for speculative generation.
 
@@ -109,6 +110,11 @@ def compile(
     Nothing compiles on the request path either way. ``"now"``: build them all before returning;
     ``"background"``: as "auto", warning when no helper can.
 
+    ``packed_prefill``: the graph cache also builds the packed prefill graph
+    (:meth:`SpecGraphModel.prefill_packed`: several rows' prompt chunks in one call, the model's
+    step compiled with a dynamic token count), with the graphs of the larger buckets; the eager
+    model prefills until it arrives. ``specgraph serve`` turns it on.
+
     ``generation_config``: a ``GenerationConfig`` whose logits processors (repetition penalty,
     no-repeat n-grams, ...) requests will use: their rounds are built (and cached) too, so those
     requests build nothing either.
@@ -119,7 +125,7 @@ def compile(
         return fast
     if graphcache.enabled(cache):
         fast.graph_cache = graphcache.load_or_build(fast, modes, progress=progress, root=graphcache.root_of(cache),
-                                                    refine=refine)
+                                                    refine=refine, packed_prefill=packed_prefill)
         fast.graph_cache_root = graphcache.root_of(cache)
     elif refine not in graphcache.REFINE:
         raise ValueError(f"refine must be one of {graphcache.REFINE}, got {refine!r}")

@@ -720,7 +720,7 @@ def _serve_dir_settings(args) -> dict:
             _die(f"--{name.replace('_', '-')} {given if name != 'modes' else ','.join(given)}: {args.model} was "
                  f"compiled with {value!r} (its manifest's settings; recompile with `specgraph compile` to change it)", 2)
     for flag, given in (("--max-logprobs", args.max_logprobs), ("--ray-replicas", args.ray_replicas),
-                        ("--attention", args.attention)):
+                        ("--attention", args.attention), ("--eager-prefill", args.eager_prefill or None)):
         if given is not None:
             _die(f"{flag} is not available with a compiled directory: serve the MODEL instead", 2)
     return {**have, "modes": args.modes or have["modes"]}
@@ -746,7 +746,8 @@ def cmd_serve(args) -> int:
                       top_k=settings["top_k"], top_p=settings["top_p"], min_p=settings["min_p"],
                       served_model_name=args.served_model_name, modes=settings["modes"], threads=args.threads,
                       progress=not args.quiet, speculation=_speculation_arg(args.speculation, args),
-                      prefix_cache_mb=args.prefix_cache_mb, refine=args.refine, attention=args.attention or "auto")
+                      prefix_cache_mb=args.prefix_cache_mb, refine=args.refine, attention=args.attention or "auto",
+                      packed_prefill=not args.eager_prefill)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -1223,6 +1224,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="MODEL only: block_sparse: each row of a round reads only the KV blocks it sees (a short "
                          "request beside a long one costs its own length); sdpa: every row reads the round's "
                          "attended width; auto (default): block_sparse on CPU")
+    sv.add_argument("--eager-prefill", action="store_true",
+                    help="MODEL only: prompts prefilled by the eager model, without the packed prefill graph "
+                         "(built with the larger buckets' graphs otherwise)")
     sv.add_argument("--served-model-name", default=None, help="the model id the API reports (default: MODEL)")
     sv.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     sv.add_argument("--ray-replicas", type=int, default=None, metavar="N",

@@ -168,6 +168,9 @@ def prefill_logits(step, ids, pos, valid, kv, slots, window, start=None, hidden=
     return (logits, last_hidden) if hidden else logits
 
 
+PACKED_TOKENS = 512  # prompt tokens per packed prefill call in generate (its attention is tokens x width)
+
+
 def packed_layout(starts: list[int], lengths: list[int], device=None):
     """Several rows' next prompt tokens as one sequence, each row with a segment of its own in
     one packed cache: row r's segment holds its committed slots 0 .. starts[r] - 1, then its
@@ -1160,6 +1163,36 @@ class SpecGraphModel:
         prefill_logits(self._fill_step, ids, pos, valid, [t[:, :, :W] for t in kv], W, self.window)
 
     @property
+    def packed_prefill_compiled(self) -> bool:
+        """Whether :meth:`prefill_packed` runs a compiled graph (the graph cache's packed prefill
+        package, ``compile(packed_prefill=True)``) rather than the eager model."""
+        get = getattr(self._fns, "packed_prefill", None)
+        return self.packs_prefill and get is not None and get() is not None
+
+    def _prefill_packed_groups(self, rows: list[list[int]], kv: list[torch.Tensor]) -> None:
+        """Every prompt token but the last of each row, through the packed prefill graph: rows
+        packed together up to PACKED_TOKENS tokens per call (a longer prompt alone; packed
+        attention costs tokens x packed width, so a call stays small), no padding."""
+        group: list[int] = []
+        for b in range(len(rows) + 1):
+            n = len(rows[b]) - 1 if b < len(rows) else 0
+            total = sum(len(rows[g]) - 1 for g in group)
+            if group and (b == len(rows) or total + n > PACKED_TOKENS):
+                self.prefill_packed(kv, group, [0] * len(group),
+                                    [torch.tensor(rows[g][:-1], device=kv[0].device) for g in group])
+                group = []
+            if b < len(rows) and n > 0:
+                group.append(b)
+
+    def _packed_step(self, tokens: int, width: int):
+        """What runs a packed call of ``tokens`` tokens over ``width`` packed slots: the packed
+        prefill graph (:attr:`packed_prefill_compiled`) when the sizes are in its range, else the
+        eager model."""
+        if not self.packed_prefill_compiled or tokens < 2 or tokens > self.slots or width > self.max_batch_size * self.slots:
+            return self._fill_step
+        return self._fns.packed_prefill()
+
+    @property
     def packs_prefill(self) -> bool:
         """Whether :meth:`prefill_packed` applies: a model whose attention sees a cache slot by
         its mask alone (no sliding window, no ALiBi bias counted in slots)."""
@@ -1186,7 +1219,7 @@ class SpecGraphModel:
                 p[0, :, o: o + s0] = t[r, :, :s0]
             packed.append(p)
         ids = torch.cat([c.to(device) for c in chunks]).view(1, -1)
-        self._fill_step(ids, pos, mask.to(kv[0].dtype), slot, *packed)
+        self._packed_step(*mask.shape[-2:])(ids, pos, mask.to(kv[0].dtype), slot, *packed)
         for t, p in zip(kv, packed):
             for r, o, s0, n in zip(rows, offsets, starts, lengths):
                 t[r, :, s0: s0 + n] = p[0, :, o + s0: o + s0 + n]
@@ -1617,6 +1650,9 @@ class SpecGraphModel:
         pos = torch.arange(P, device=device).expand(B, P).contiguous()
         if which == "target" and self._prefill_graph is not None:
             self._prefill_graph(ids, pos, valid, *kv)
+            return None
+        if which == "target" and self.learned is None and self.packed_prefill_compiled:
+            self._prefill_packed_groups(rows, kv)
             return None
         # the eager step attends the prompt's slots and one past them, where its padding columns
         # write (no row has committed it: every row starts over here, and a round writes a slot

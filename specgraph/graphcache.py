@@ -74,7 +74,7 @@ from specgraph.artifacts import (
     ArtifactError, canonical_config, cpu_capability, cpu_model, file_entry, verify_files, versions, weights_sha256,
 )
 from specgraph.freezing import weight_bytes
-from specgraph.graphset import MODES, Progress, with_dynamic_batch, with_logits, with_merged_modes
+from specgraph.graphset import MODES, Progress, packed_prefill_spec, with_dynamic_batch, with_logits, with_merged_modes
 from specgraph.models import cache_dir
 from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key
 from specgraph.warping import SamplingParams
@@ -181,7 +181,12 @@ class CachedGraphs(dict):
         for key in self._answered:
             dict.pop(self, key, None)
         self._answered.clear()
-        return sorted({key[1] for staged in arrived for key in staged})
+        return sorted({key[1] for staged in arrived for key in staged if key[0] != "packed"})
+
+    def packed_prefill(self):
+        """The packed prefill package (:meth:`SpecGraphModel.prefill_packed`), None when this
+        entry has none (not asked for, or still being built)."""
+        return self.packages.get(package_key("packed", 1, 0, "greedy"))
 
     def refining(self) -> int:
         """Graphs still being built in the background (not counting those waiting for refresh())."""
@@ -226,7 +231,8 @@ REFINE = ("auto", "now", "background")
 
 
 def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=None,
-                  dynamic_batch: bool = True, merge_modes: bool = True, refine: str = "now") -> dict | None:
+                  dynamic_batch: bool = True, merge_modes: bool = True, refine: str = "now",
+                  packed_prefill: bool = False) -> dict | None:
     """Serve ``fast``'s graph set (:meth:`SpecGraphModel.graph_plan`) from the cache, building the
     graphs it lacks (or holds corrupt) first. Returns what happened ({"path", "hit", "built",
     "helper_built" (of those, built by a helper process), "loaded", "frozen", "seconds"}), or None
@@ -242,7 +248,8 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     returning; "background" after, in the helper process, adopted between calls as they arrive
     (where no helper process can build, "now", with a warning); "auto": "background" when a
     helper process builds beside this one, else "now". The result's "refining" counts the
-    graphs still to come."""
+    graphs still to come. ``packed_prefill``: the packed prefill graph too (a model that
+    :attr:`SpecGraphModel.packs_prefill`), built with the graphs of the larger buckets."""
     if refine not in REFINE:
         raise ValueError(f"refine must be one of {REFINE}, got {refine!r}")
     if unsupported(fast) is not None:
@@ -261,6 +268,8 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
         plan = with_merged_modes(plan)
     if dynamic_batch:
         plan = _batch_plan(fast, folder, digest, plan)
+    if packed_prefill and logits is None and fast.packs_prefill:
+        plan.append(packed_prefill_spec())
     packages, missing = {}, []
     for g in plan:
         frozen = fast.reserve_frozen_copy(g.name)
@@ -278,7 +287,7 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
                           "building every batch bucket's graphs now", stacklevel=3)
         later = []
     # the dynamic-batch graphs first (they serve the most buckets), plain steps first among them (what a loaded server runs)
-    later.sort(key=lambda m: (m[0].batches is None, m[0].depth))
+    later.sort(key=lambda m: (m[0].kind == "packed", m[0].batches is None, m[0].depth))
     now = [m for m in missing if m not in later]
     work = _build(fast, folder, digest, now, later, packages, progress) if missing else None
     served = fast.graphs_in_use()
@@ -298,9 +307,10 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
 
 
 def _first(g) -> bool:
-    """Whether graph ``g`` is built before the object serves: the batch-1 graphs (the others'
-    buckets run on them row by row until they arrive)."""
-    return g.batches is None and g.batch == 1
+    """Whether graph ``g`` is built before the object serves: the batch-1 rounds (the others'
+    buckets run on them row by row until they arrive; the eager model prefills until the packed
+    prefill graph arrives)."""
+    return g.batches is None and g.batch == 1 and g.kind != "packed"
 
 
 class RowSplit:

@@ -30,8 +30,10 @@ class GraphSpec:
     """One graph. ``kind``: "round" (chain of ``depth`` drafts), "tree" (``tree`` = (N nodes,
     C max children, D depth), ``depth`` = D), "draft" (a draft-model step feeding ``depth`` tokens),
     "draft_tree" (draft-model tree level ``depth``), "compact" (draft-cache compaction after a
-    tree round), "prefill" (a chunk of ``depth`` prompt tokens) or "learned" (a head drafter's
-    graphs, built by a short generation). ``width``: the attended cache slots for a graph built
+    tree round), "prefill" (a chunk of ``depth`` prompt tokens), "packed" (prompt chunks of
+    several rows packed into one sequence: :meth:`SpecGraphModel.prefill_packed`, its token count
+    and packed cache width dynamic) or "learned" (a head drafter's graphs, built by a short
+    generation). ``width``: the attended cache slots for a graph built
     per width, None for the engine's dynamic-width graphs. ``batches``: (lo, hi) for a graph
     whose batch is a dynamic dimension, serving every batch bucket from lo to hi (traced at
     ``batch``); None: the graph serves batch ``batch`` only."""
@@ -49,6 +51,8 @@ class GraphSpec:
     def name(self) -> str:
         if self.kind == "prefill":
             return f"prefill_b{self.batch}_c{self.depth}"
+        if self.kind == "packed":
+            return "packed_prefill"
         shape = "n{}_c{}_d{}".format(*self.tree) if self.kind == "tree" else f"k{self.depth}"
         if self.kind in ("draft", "draft_tree"):
             shape = f"q{self.depth}" if self.kind == "draft" else f"d{self.depth}"
@@ -98,6 +102,14 @@ def plan(fast, modes=MODES) -> list[GraphSpec]:
             out += [GraphSpec("draft_tree", B, None, "greedy", d) for d in range(fast.tree.max_depth)]
             out.append(GraphSpec("compact", B, None, "greedy", 0))
     return out
+
+
+PACKED_EXAMPLE = ((11, 0), (13, 6))  # the packed prefill graph's trace: committed slots, new tokens per row
+
+
+def packed_prefill_spec() -> GraphSpec:
+    """The packed prefill graph (one per compiled object: batch 1, any token count and width)."""
+    return GraphSpec("packed", 1, None, "greedy", 0)
 
 
 DYNAMIC_MIN_ROWS = 4  # a bucket whose round feeds fewer GEMM rows (batch x fed tokens) keeps a static graph
@@ -172,6 +184,12 @@ def example_inputs(fast, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
     B = g.batch
     long = dict(dtype=torch.long, device=dev)
     sample = g.mode != "greedy"
+    if g.kind == "packed":  # traced at sizes unlike any other dimension (they are dynamic)
+        from specgraph.compiler import packed_layout
+
+        pos, slot, mask, _ = packed_layout(list(PACKED_EXAMPLE[0]), list(PACKED_EXAMPLE[1]), dev)
+        dtype = next(fast.model.parameters()).dtype
+        return [torch.zeros_like(pos), pos, mask.to(dtype), slot], ["ids", "pos", "mask", "slot"]
     if g.kind == "prefill":
         C = g.depth
         return ([torch.zeros(B, C, **long), torch.arange(C, **long).expand(B, C).contiguous(),

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from specgraph.artifacts import ArtifactError
-from specgraph.capture import new_kv_cache
-from specgraph.compiler import RoundExtras, SpecGraphModel, inductor_settings, prefill_logits
+from specgraph.capture import Step, new_kv_cache
+from specgraph.compiler import RoundExtras, SpecGraphModel, inductor_settings, kernel_threads, prefill_logits
 from specgraph.graphset import GraphSpec, example_inputs
 from specgraph.warping import SamplingParams
 
@@ -70,7 +70,24 @@ class _PrefillChunk(torch.nn.Module):
         return valid.sum(dim=1)
 
 
+class _PackedPrefill(torch.nn.Module):
+    """:meth:`SpecGraphModel.prefill_packed`'s model call: the unmodified model's step (``self.step``,
+    logits at the last position only) over one packed sequence. Inputs: ids, pos, slot [1, T],
+    the packed mask [1, 1, T, Wp], then the packed cache [1, H, Wp, D] per tensor; T and Wp are
+    dynamic. The cache writes are the point."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def forward(self, ids, pos, mask, slot, *kv):
+        self.step(ids, pos, mask, slot, *kv)
+        return slot[:, -1]
+
+
 def module_for(fast: SpecGraphModel, g: GraphSpec, filters) -> torch.nn.Module:
+    if g.kind == "packed":
+        return _PackedPrefill(Step(fast.model, all_logits=False))
     if g.kind == "prefill":
         return _PrefillChunk(fast._step(g.batch, g.depth), fast.slots, fast.window)
     params = SamplingParams(0.0) if g.mode == "greedy" else SamplingParams(1.0, *filters)
@@ -90,6 +107,12 @@ def export_graph(fast: SpecGraphModel, g: GraphSpec, module, args: list, kv: lis
     dynamic batch in that range; every other dimension is static."""
     if g.kind == "prefill":
         return torch.export.export(module, (*args, *kv), strict=False)
+    if g.kind == "packed":
+        tokens = torch.export.Dim("tokens", min=2, max=fast.slots)
+        width = torch.export.Dim("width", min=2, max=fast.max_batch_size * fast.slots)
+        shapes = {"ids": {1: tokens}, "pos": {1: tokens}, "mask": {2: tokens, 3: width}, "slot": {1: tokens},
+                  "kv": ({2: width},) * len(kv)}
+        return torch.export.export(module, (*args, *kv), dynamic_shapes=shapes, strict=False)
     lo, hi = width_range(fast)
     width = torch.export.Dim("width", min=lo, max=hi)
     batch = None if g.batches is None else {0: torch.export.Dim("batch", min=g.batches[0], max=g.batches[1])}
@@ -118,17 +141,20 @@ def package_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors
     tensors = model_tensors(fast.model) if tensors is None else tensors
     args, names = example_inputs(fast, g, vocab)
     shapes = [list(a.shape) if g.batches is None else ["batch", *a.shape[1:]] for a in args]
-    if g.kind != "prefill":  # the attended slots come first; traced at the engine's smallest width
+    configs = inductor_configs(device, freeze, autotune, fast.attention)
+    if g.kind == "packed":  # tokens and packed width dynamic; many rows' worth of tokens: every thread
+        shapes = [[1, "tokens"], [1, "tokens"], [1, 1, "tokens", "width"], [1, "tokens"]]
+        configs = {**inductor_configs(device, freeze, autotune, "sdpa"), "cpp.threads": kernel_threads()}
+    elif g.kind != "prefill":  # the attended slots come first; traced at the engine's smallest width
         args = [torch.arange(min(fast.min_attend, fast.slots - 1), device=device), *args]
         names, shapes = ["cols", *names], [["width"], *shapes]
-    kv = new_kv_cache(fast.model, g.batch, fast.slots)
+    kv = new_kv_cache(fast.model, g.batch, args[2].shape[-1] if g.kind == "packed" else fast.slots)
     module = module_for(fast, g, filters)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = export_graph(fast, g, module, args, kv)
         rel = f"{PT2_SUBDIR}/{g.name}.pt2"
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(out / rel),
-                                                 inductor_configs=inductor_configs(device, freeze, autotune, fast.attention))
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(out / rel), inductor_configs=configs)
     del ep
     drop_build_folder(out / rel)
     # every constant an unfrozen package expects must be a tensor of the model (bound at load time)

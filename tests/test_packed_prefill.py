@@ -100,3 +100,36 @@ def test_engine_packs_rows_of_different_chunk_lengths():
     outs, _ = run_all(engine, [ServeRequest(p, 16) for p in ps])
     want = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist() for p in ps]
     assert outs == want and engine.stats.packed_prefills > 0
+
+
+def test_packed_prefill_graph_from_the_graph_cache(tmp_path, monkeypatch):
+    """``compile(packed_prefill=True)``: the graph cache builds the packed prefill package; packed
+    calls run it (the eager step is never called) and write what a call per row writes, and
+    generate prefills its prompts through it, equal to HF greedy."""
+    from specgraph.capture import Step
+
+    model = tiny()
+    fast = specgraph.compile(model, "ngram", max_batch_size=2, max_seq_len=128, modes=("greedy",), cache=tmp_path,
+                             refine="now", attention="sdpa", packed_prefill=True, progress=False, warmup=True)
+    assert fast.packed_prefill_compiled
+    eager_calls = []
+    forward = Step.forward
+    monkeypatch.setattr(Step, "forward", lambda self, *a: (eager_calls.append(a[0].shape), forward(self, *a))[1])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(6, 120, (s + n,), generator=g) for s, n in zip(STARTS, LENGTHS)]
+    kv = new_kv_cache(model, 4, fast.slots)
+    with torch.no_grad():
+        for r, (p, s0) in enumerate(zip(prompts, STARTS)):
+            if s0:
+                fast.prefill_chunk([t[r:r + 1] for t in kv], p[:s0].view(1, -1), 0)
+        per_row = [t.clone() for t in kv]
+        for r, (p, s0) in enumerate(zip(prompts, STARTS)):
+            fast.prefill_chunk([t[r:r + 1] for t in per_row], p[s0:].view(1, -1), s0)
+        eager_calls.clear()
+        fast.prefill_packed(kv, [0, 1, 2, 3], STARTS, [p[s0:] for p, s0 in zip(prompts, STARTS)])
+    assert eager_calls == [] and same_rows(kv, per_row)
+    for n in (9, 40):
+        p = torch.randint(6, 120, (1, n), generator=g)
+        want = model.generate(p, max_new_tokens=12, do_sample=False)
+        eager_calls.clear()
+        assert torch.equal(fast.generate(p, max_new_tokens=12, do_sample=False), want) and eager_calls == []

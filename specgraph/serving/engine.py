@@ -408,9 +408,9 @@ class ServingEngine:
         rounds come between a burst of requests and its last first token, and the rounds then
         serve the fewer rows. A prompt whose rest is within a quarter of the chunk is finished
         now rather than left for a call of its own. The chunks go through one call, packed
-        (:meth:`SpecGraphModel.prefill_packed`) where the model allows it and the rows' chunks do
-        not form one run of equal lengths, else a call per run of neighbouring rows
-        (:meth:`_prefill_runs`)."""
+        (:meth:`SpecGraphModel.prefill_packed`) where the model allows it and either its packed
+        prefill graph is built or the rows' chunks do not form one run of equal lengths; else a
+        call of the eager model per run of neighbouring rows (:meth:`_prefill_runs`)."""
         waiting = sum(not r.decoding for r in self.rows)
         budget = self.prefill_chunk * (2 if 2 * waiting > len(self.rows) else 1)
         plan: list[tuple[int, int]] = []
@@ -431,7 +431,7 @@ class ServingEngine:
                 budget -= n
         runs = self._prefill_runs(plan)
         padding = sum(len(run) * max(n for _, n in run) - sum(n for _, n in run) for run in runs)
-        if self.fast.packs_prefill and (len(runs) > 1 or padding):
+        if plan and self.fast.packs_prefill and (len(runs) > 1 or padding or self.fast.packed_prefill_compiled):
             self.fast.prefill_packed(self.kv, [i for i, _ in plan], [self.rows[i].prefilled for i, _ in plan],
                                      [torch.tensor(self._next_prompt_tokens(i, n)) for i, n in plan])
             runs = []

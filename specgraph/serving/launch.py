@@ -33,6 +33,7 @@ class ServeConfig:
     progress: bool = True
     refine: str = "auto"  # specgraph.compile's refine: when the graphs of batch buckets above 1 are built
     attention: str = "auto"  # specgraph.compile's attention: "block_sparse" (CPU default) or "sdpa"
+    packed_prefill: bool = True  # specgraph.compile's packed_prefill: prompt chunks through a compiled graph
 
 
 def _say(cfg: ServeConfig, msg: str) -> None:
@@ -71,7 +72,8 @@ def build_server(cfg: ServeConfig, compiled=None):
         fast = specgraph.compile(model, cfg.draft, num_speculative_tokens=cfg.num_speculative_tokens,
                                  max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
                                  autotune=cfg.autotune, backend=cfg.backend, modes=cfg.modes, warmup=plain_rounds,
-                                 progress=cfg.progress, refine=cfg.refine, attention=cfg.attention)
+                                 progress=cfg.progress, refine=cfg.refine, attention=cfg.attention,
+                                 packed_prefill=cfg.packed_prefill)
         t_compile = time.perf_counter() - t0 - t_load
         base = fast.default_sampling()
     sampling = SamplingParams(1.0, cfg.top_k if cfg.top_k is not None else base.top_k,
