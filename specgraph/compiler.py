@@ -1199,14 +1199,16 @@ class SpecGraphModel:
         return self.window is None and layer_windows(self.model) is None and not uses_alibi(self.model)
 
     def prefill_packed(self, kv: list[torch.Tensor], rows: list[int], starts: list[int],
-                       chunks: list[torch.Tensor]) -> None:
+                       chunks: list[torch.Tensor], compiled: bool = True) -> None:
         """Write the prompt tokens ``chunks[i]`` (long [n_i]) of cache rows ``rows[i]`` at
         positions ``starts[i]`` on, in one call of the model with no padding: the rows' committed
         slots and new tokens are laid out one row after another in a packed cache
         (:func:`packed_layout`), a token attending its own row's segment only, and what the call
         wrote is copied back to each row. Rows of different chunk lengths would otherwise take
         a call each (every call reads all the weights) or pad to the longest. ``kv``: the cache
-        tensors [B, H, slots, D]; needs :attr:`packs_prefill`."""
+        tensors [B, H, slots, D]; needs :attr:`packs_prefill`. The call runs the packed prefill
+        graph when it is built (:attr:`packed_prefill_compiled`), else (or with
+        ``compiled=False``) the eager model."""
         if not self.packs_prefill:
             raise ValueError("packed prefill needs a model without sliding windows or ALiBi")
         device = kv[0].device
@@ -1219,7 +1221,8 @@ class SpecGraphModel:
                 p[0, :, o: o + s0] = t[r, :, :s0]
             packed.append(p)
         ids = torch.cat([c.to(device) for c in chunks]).view(1, -1)
-        self._packed_step(*mask.shape[-2:])(ids, pos, mask.to(kv[0].dtype), slot, *packed)
+        step = self._packed_step(*mask.shape[-2:]) if compiled else self._fill_step
+        step(ids, pos, mask.to(kv[0].dtype), slot, *packed)
         for t, p in zip(kv, packed):
             for r, o, s0, n in zip(rows, offsets, starts, lengths):
                 t[r, :, s0: s0 + n] = p[0, :, o + s0: o + s0 + n]
