@@ -185,7 +185,7 @@ def example_inputs(fast, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
     long = dict(dtype=torch.long, device=dev)
     sample = g.mode != "greedy"
     if g.kind == "packed":  # traced at sizes unlike any other dimension (they are dynamic)
-        from specgraph.compiler import packed_layout
+        from specgraph.packing import packed_layout
 
         pos, slot, mask, _ = packed_layout(list(PACKED_EXAMPLE[0]), list(PACKED_EXAMPLE[1]), dev)
         dtype = next(fast.model.parameters()).dtype

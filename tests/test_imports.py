@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parent.parent / "specgraph"
 
 LAYERS = [
     ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset",
-              "processors", "generation", "templates", "lookup",
+              "processors", "generation", "templates", "lookup", "packing",
               "kernels", "passes"}),
     ("engine", {"compiler", "callrows", "eager", "packages", "timing"}),
     ("drafters", {"drafters", "suffix", "heads", "learned", "proposers"}),
