@@ -25,6 +25,10 @@ def caches(arch):
     prefixes (row r: STARTS[r] tokens, then LENGTHS[r] more)."""
     model = tiny(arch)
     fast = specgraph.compile(model, None, max_batch_size=4, max_seq_len=128, backend="eager")
+    return packed_and_per_row(fast, model)
+
+
+def packed_and_per_row(fast, model, before_packed=lambda: None):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(6, 120, (s + n,), generator=g) for s, n in zip(STARTS, LENGTHS)]
     kv = new_kv_cache(model, 4, fast.slots)
@@ -35,6 +39,7 @@ def caches(arch):
         per_row = [t.clone() for t in kv]
         for r, (p, s0) in enumerate(zip(prompts, STARTS)):
             fast.prefill_chunk([t[r:r + 1] for t in per_row], p[s0:].view(1, -1), s0)
+        before_packed()
         fast.prefill_packed(kv, [0, 1, 2, 3], STARTS, [p[s0:] for p, s0 in zip(prompts, STARTS)])
     return kv, per_row
 
@@ -115,19 +120,9 @@ def test_packed_prefill_graph_from_the_graph_cache(tmp_path, monkeypatch):
     eager_calls = []
     forward = Step.forward
     monkeypatch.setattr(Step, "forward", lambda self, *a: (eager_calls.append(a[0].shape), forward(self, *a))[1])
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(6, 120, (s + n,), generator=g) for s, n in zip(STARTS, LENGTHS)]
-    kv = new_kv_cache(model, 4, fast.slots)
-    with torch.no_grad():
-        for r, (p, s0) in enumerate(zip(prompts, STARTS)):
-            if s0:
-                fast.prefill_chunk([t[r:r + 1] for t in kv], p[:s0].view(1, -1), 0)
-        per_row = [t.clone() for t in kv]
-        for r, (p, s0) in enumerate(zip(prompts, STARTS)):
-            fast.prefill_chunk([t[r:r + 1] for t in per_row], p[s0:].view(1, -1), s0)
-        eager_calls.clear()
-        fast.prefill_packed(kv, [0, 1, 2, 3], STARTS, [p[s0:] for p, s0 in zip(prompts, STARTS)])
+    kv, per_row = packed_and_per_row(fast, model, before_packed=eager_calls.clear)
     assert eager_calls == [] and same_rows(kv, per_row)
+    g = torch.Generator().manual_seed(1)
     for n in (9, 40):
         p = torch.randint(6, 120, (1, n), generator=g)
         want = model.generate(p, max_new_tokens=12, do_sample=False)
