@@ -114,7 +114,7 @@ def test_packed_prefill_graph_from_the_graph_cache(tmp_path, monkeypatch):
     from specgraph.capture import Step
 
     model = tiny()
-    fast = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=128, modes=("greedy",), cache=tmp_path,
+    fast = specgraph.compile(model, None, max_batch_size=1, max_seq_len=128, modes=("greedy",), cache=tmp_path,
                              refine="now", attention="sdpa", packed_prefill=True, progress=False, warmup=True)
     assert fast.packed_prefill_compiled
     eager_calls = []
