@@ -1152,16 +1152,20 @@ class SpecGraphModel:
         """Every prompt token but the last of each row, through the packed prefill graph: rows
         packed together up to PACKED_TOKENS tokens per call (a longer prompt alone; packed
         attention costs tokens x packed width, so a call stays small), no padding."""
-        group: list[int] = []
-        for b in range(len(rows) + 1):
-            n = len(rows[b]) - 1 if b < len(rows) else 0
-            total = sum(len(rows[g]) - 1 for g in group)
-            if group and (b == len(rows) or total + n > PACKED_TOKENS):
-                self.prefill_packed(kv, group, [0] * len(group),
-                                    [torch.tensor(rows[g][:-1], device=kv[0].device) for g in group])
-                group = []
-            if b < len(rows) and n > 0:
-                group.append(b)
+        groups: list[list[int]] = [[]]
+        total = 0
+        for b, r in enumerate(rows):
+            n = len(r) - 1
+            if n <= 0:
+                continue
+            if groups[-1] and total + n > PACKED_TOKENS:
+                groups.append([])
+                total = 0
+            groups[-1].append(b)
+            total += n
+        for group in filter(None, groups):
+            self.prefill_packed(kv, group, [0] * len(group),
+                                [torch.tensor(rows[b][:-1], device=kv[0].device) for b in group])
 
     def _packed_step(self, tokens: int, width: int):
         """What runs a packed call of ``tokens`` tokens over ``width`` packed slots: the packed

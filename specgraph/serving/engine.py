@@ -133,7 +133,7 @@ class EngineStats:
     rounds: int = 0
     prefill_tokens: int = 0  # prompt tokens computed by prefill
     prefix_tokens: int = 0  # prompt tokens copied from the prefix cache instead
-    packed_prefills: int = 0  # prefill calls that packed several rows' chunks into one sequence
+    packed_prefills: int = 0  # prefill calls through SpecGraphModel.prefill_packed (rows' chunks as one sequence)
     depth_rounds: dict = field(default_factory=lambda: collections.Counter())  # depth -> rounds
     drafted: dict = field(default_factory=lambda: collections.Counter())  # position -> drafts verified there
     accepted: dict = field(default_factory=lambda: collections.Counter())  # position -> accepted there
