@@ -3,8 +3,8 @@ depth policy (:mod:`specgraph.adaptive` for ``num_speculative_tokens="auto"``), 
 built or served from the persistent graph cache (:mod:`specgraph.graphcache`)."""
 from __future__ import annotations
 
-from specgraph import adaptive, compiler, graphcache
-from specgraph.compiler import SpecGraphModel, resolve_autotune
+from specgraph import adaptive, compiler, graphcache, learned, proposers
+from specgraph.compiler import EngineConfig, SpecGraphModel, resolve_autotune
 from specgraph.graphset import MODES
 from specgraph.planner import as_plan
 
@@ -77,8 +77,8 @@ def compile(
     choose the depth (at most ``num_speculative_tokens``) and N with the most expected tokens per
     second (:func:`specgraph.learned.choose_dynamic_tree`; ``fast.tree_choice`` holds the
     measurements and predictions; a warning says when even the best tree is predicted less than
-    ``TREE_GAIN_MARGIN`` faster than plain decoding). A head without recorded acceptance keeps depth
-    ``num_speculative_tokens`` and ``EAGLE_TREE_NODES`` nodes. An int fixes N.
+    ``specgraph.learned.TREE_GAIN_MARGIN`` faster than plain decoding). A head without recorded
+    acceptance keeps depth ``num_speculative_tokens`` and ``EAGLE_TREE_NODES`` nodes. An int fixes N.
 
     ``depths``: for model-free chains (``"ngram"``, ``"suffix"``), the depths to move between
     (default: ``min(K, 4)`` and ``K``); the largest replaces ``num_speculative_tokens``.
@@ -148,13 +148,30 @@ def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
         num_speculative_tokens = max(depths)
     elif plan is not None:
         raise ValueError("plan= is read by num_speculative_tokens='auto'")
-    fast = SpecGraphModel(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze,
-                          resolve_autotune(autotune, model), tree_nodes, attention)
+    config = resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze,
+                            resolve_autotune(autotune, model), tree_nodes, attention)
+    fast = SpecGraphModel(model, config, proposers.make_proposer)
     if auto:
         adaptive.enable_auto(fast, depths, plan)
     elif depths is not None:
         fast.set_depths(depths)
     return fast
+
+
+def resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True,
+                   autotune=False, tree_nodes="auto", attention="auto") -> EngineConfig:
+    """:func:`compile`'s arguments as the engine's :class:`specgraph.compiler.EngineConfig`, or a
+    ``ValueError`` that says what to pass instead: the drafter resolved
+    (:func:`specgraph.proposers.resolve_draft`), the settings validated
+    (:func:`specgraph.compiler.engine_config`), and EAGLE-2 trees sized from this machine's costs
+    when ``tree_nodes="auto"`` (:func:`specgraph.learned.size_dynamic_tree`)."""
+    auto_nodes = isinstance(tree_nodes, str) and tree_nodes == "auto"
+    config = compiler.engine_config(model, proposers.resolve_draft(model, draft), num_speculative_tokens, tree, backend,
+                                    max_batch_size, max_seq_len, freeze, autotune, None if auto_nodes else tree_nodes,
+                                    attention)
+    if auto_nodes and config.tree == "dynamic" and config.draft == "eagle":
+        config = learned.size_dynamic_tree(model, config, stacklevel=5)
+    return config
 
 
 def prepare_settings(fast: SpecGraphModel, generation_config, modes=MODES, progress: bool = True,

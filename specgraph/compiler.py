@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specgraph import learned
 from specgraph.callrows import CallRows, advanced_slots
 from specgraph.packing import packed_layout
 from specgraph.capture import (Step, UnsupportedModel, capture_step, check_supported, full_width, layer_windows,
@@ -35,12 +34,10 @@ from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan 
 from specgraph.generation import (GenerationRequest, ScoreLog, StepStreamer, UnsupportedSetting, inferred_attention_mask,
                                   resolve, stop_at)
 from specgraph.passes import attend_prefix_pass, block_sparse_attention_pass, run_step_pipeline
-from specgraph.proposers import (CallStart, ChainDrafter, ChainProposal, RoundOutcome, RoundView, SuffixIndex,
-                                 make_proposer)
-from specgraph.proposers.ngram import NGRAM_TREE_MATCHES
-from specgraph.proposers.suffix import SUFFIX_CHILDREN, SUFFIX_TREE_SIZES
+from specgraph.lookup import NGRAM_TREE_MATCHES
+from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundOutcome, RoundView
 from specgraph.processors import LogitsSpec, chain_paths, process_logits, tree_paths
-from specgraph.trees import TreeSpec, tree_buffers, tree_from_paths
+from specgraph.trees import SUFFIX_CHILDREN, SUFFIX_TREE_SIZES, TreeSpec, tree_buffers, tree_from_paths
 from specgraph.templates import memoize_kernel_templates
 from specgraph.verify import (chain_noise, tree_noise, verify_chain_rows, verify_chain_with_noise,
                               verify_tree_with_noise)
@@ -550,9 +547,19 @@ def attend_width(need: int, slots: int, min_attend: int | None = None, step: int
     return w if w < slots else slots
 
 
-# tree_nodes="auto" warns when its best EAGLE tree is predicted less than this much faster than a
-# plain step (the prediction leaves out the loop's host time, which speculation does not shrink)
-TREE_GAIN_MARGIN = 0.05
+@dataclass
+class Draft:
+    """``compile(draft=...)`` resolved into what the engine runs (:func:`specgraph.proposers.resolve_draft`
+    does it): the drafter's kind and the objects it drafts with."""
+    kind: str | None  # None (plain decoding), "ngram", "suffix", "custom", "model", "eagle" or "medusa"
+    draft_model: torch.nn.Module | None = None  # kind "model": the smaller model
+    head: object | None = None  # kind "eagle" / "medusa": the head bound to the target
+    suffix_index: object | None = None  # kind "suffix": the specgraph.suffix.SuffixIndex it drafts from
+    chain_drafter: object | None = None  # kind "custom": a specgraph.drafters.ChainDrafter
+
+
+DRAFT_KINDS = (None, "ngram", "suffix", "custom", "model", "eagle", "medusa")
+HEAD_KINDS = ("eagle", "medusa")  # drafters that read the target's features (specgraph.learned)
 
 
 @dataclass
@@ -576,85 +583,53 @@ class EngineConfig:
     attention: str  # "sdpa" (the model's own) or "block_sparse" (per row, the cache blocks it sees)
     draft_model: torch.nn.Module | None = None  # draft="model": the smaller model
     head: object | None = None  # an EAGLE / Medusa head bound to the target
-    suffix_index: SuffixIndex | None = None  # draft="suffix": the index it drafts from
-    chain_drafter: ChainDrafter | None = None  # draft="custom"
+    suffix_index: object | None = None  # draft="suffix": the specgraph.suffix.SuffixIndex it drafts from
+    chain_drafter: object | None = None  # draft="custom": a specgraph.drafters.ChainDrafter
 
     @property
     def slots(self) -> int:
         return self.max_seq_len + 1  # + a scratch slot
 
+    def with_tree_size(self, depth: int, nodes: int, choice: dict | None) -> "EngineConfig":
+        """The same settings with an EAGLE-2 tree of ``nodes`` drafted nodes, ``depth`` deep."""
+        return dataclasses.replace(self, k=depth, k_ladder=[depth], tree_nodes=nodes, tree_choice=choice)
 
-def resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True,
-                   autotune=False, tree_nodes="auto", attention="auto") -> EngineConfig:
-    """:func:`compile`'s arguments as an :class:`EngineConfig`, or a ``ValueError`` that says what
-    to pass instead. Learned drafters are resolved here (``"layerskip"`` becomes a draft model;
-    ``"eagle"`` / ``"medusa"`` the head matching ``model``), and ``tree_nodes="auto"`` sizes
-    EAGLE-2 trees from this machine's measured costs."""
-    suffix_index = chain_drafter = None
+
+def engine_config(model, draft: Draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len,
+                  freeze=True, autotune=False, tree_nodes=None, attention="auto") -> EngineConfig:
+    """:func:`compile`'s arguments, the drafter already resolved, as an :class:`EngineConfig`, or a
+    ``ValueError`` that says what to pass instead. ``tree_nodes``: None, or the drafted nodes of
+    EAGLE-2 trees (``tree_nodes="auto"`` is sized by the API layer, :func:`specgraph.learned.size_dynamic_tree`)."""
     if backend not in ("inductor", "eager"):
         raise ValueError(f"backend must be 'inductor' or 'eager', got {backend!r}")
     check_servable(model)
-    draft_model = None
-    # learned drafters (specgraph.learned): "layerskip" becomes a draft model; "eagle" / "medusa"
-    # and head objects become (kind, head)
-    draft, head = learned.resolve_draft(model, draft)
-    if head is None and isinstance(draft, torch.nn.Module):
-        draft_model, draft = draft, "model"
-        _check_draft_model(model, draft_model)
-    elif isinstance(draft, SuffixIndex):
-        suffix_index, draft = draft, "suffix"
-    elif isinstance(draft, ChainDrafter):  # host-side chains (e.g. drafters.ReplayDrafter), verified like ngram
-        chain_drafter, draft = draft, "custom"
-    elif draft == "suffix":
-        suffix_index = SuffixIndex()
-    elif head is None and draft not in (None, "ngram"):
-        raise ValueError(
-            f"draft={draft!r} is not supported: use None (compiled plain decoding), 'ngram' (prompt lookup), "
-            "'suffix' (suffix decoding; or a specgraph.suffix.SuffixIndex to share one index), "
-            "'eagle' / 'medusa' (the trained head matching this model, or a specgraph.heads.EagleHead / "
-            "MedusaHeads bound to it), 'layerskip' (the model's first layers, specgraph.drafters.layer_skip), "
-            "or a smaller PreTrainedModel with the same vocabulary"
-        )
+    if draft.kind not in DRAFT_KINDS:
+        raise ValueError(f"unknown drafter kind {draft.kind!r}: one of {DRAFT_KINDS}")
+    if draft.draft_model is not None:
+        _check_draft_model(model, draft.draft_model)
     if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be a positive int, got {num_speculative_tokens!r}")
-    tree, tree_rank = parse_tree(tree, draft)
+    tree, tree_rank = parse_tree(tree, draft.kind)
+    draft_model = draft.draft_model
     if tree is not None and (uses_alibi(model) or (draft_model is not None and uses_alibi(draft_model))):
         raise ValueError("ALiBi models (Bloom) run chains, not trees: their position biases count cache slots, "
                          "and a tree's nodes do not sit at their positions")
-    # EAGLE-2 trees: how many drafted nodes a round verifies (and how deep), from this machine's costs
-    tree_size, tree_choice = None, None
-    if tree_nodes != "auto":
-        if not (tree == "dynamic" and draft == "eagle"):
+    if tree_nodes is not None:
+        if not (tree == "dynamic" and draft.kind == "eagle"):
             raise ValueError("tree_nodes= sizes EAGLE-2 dynamic trees: it needs an EAGLE head and tree='dynamic'")
         if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
             raise ValueError(f"tree_nodes must be a positive int or 'auto', got {tree_nodes!r}")
-        tree_size = tree_nodes
-    elif tree == "dynamic" and draft == "eagle":
-        try:
-            tree_choice = learned.choose_dynamic_tree(model, head, num_speculative_tokens, backend=backend,
-                                                      freeze=freeze, autotune=autotune)
-        except Exception as e:  # noqa: BLE001 - a size is an optimisation: keep the default, say why
-            warnings.warn(f"specgraph: could not measure this machine's tree costs ({type(e).__name__}: {e}); "
-                          f"using {learned.EAGLE_TREE_NODES} nodes", stacklevel=4)
-        if tree_choice is not None:
-            num_speculative_tokens, tree_size = tree_choice["depth"], tree_choice["nodes"]
-            if tree_choice["predicted_speedup"] < 1.0 + TREE_GAIN_MARGIN:
-                # dynamic trees have no per-round off switch (num_speculative_tokens="auto" gates
-                # chains only): say so rather than serve a predicted slowdown without a word
-                warnings.warn(
-                    f"specgraph: on this machine the best EAGLE tree (depth {tree_choice['depth']}, "
-                    f"{tree_choice['nodes']} nodes) is predicted at "
-                    f"{tree_choice['predicted_speedup']:.2f}x a plain step: speculation may not pay here; "
-                    "draft=None compiles plain decoding (fast.tree_choice has the measurements)", stacklevel=4)
     if max_batch_size < 1 or max_seq_len < 2:
         raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
     if model.training:
         raise ValueError("put the model in eval mode first (model.eval())")
-    k = 0 if draft is None else (tree.max_depth if isinstance(tree, TreeSpec) else num_speculative_tokens)
-    model_free = draft in ("ngram", "suffix", "custom")  # their chains move between depths, see next_k
-    return EngineConfig(draft, k, default_ladder(k) if model_free else [k], tree, tree_rank, tree_size,
-                        tree_choice, backend, bool(freeze), bool(autotune), max_batch_size, max_seq_len,
-                        resolve_attention(attention, model, backend), draft_model, head, suffix_index, chain_drafter)
+    kind = draft.kind
+    k = 0 if kind is None else (tree.max_depth if isinstance(tree, TreeSpec) else num_speculative_tokens)
+    model_free = kind in ("ngram", "suffix", "custom")  # their chains move between depths, see next_k
+    return EngineConfig(kind, k, default_ladder(k) if model_free else [k], tree, tree_rank, tree_nodes, None,
+                        backend, bool(freeze), bool(autotune), max_batch_size, max_seq_len,
+                        resolve_attention(attention, model, backend), draft_model, draft.head, draft.suffix_index,
+                        draft.chain_drafter)
 
 
 def parse_tree(tree, draft):
@@ -689,11 +664,12 @@ def parse_tree(tree, draft):
 class SpecGraphModel:
     """What :func:`compile` returns. Call :meth:`generate`; read :attr:`stats`."""
 
-    def __init__(self, model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True,
-                 autotune=False, tree_nodes="auto", attention="auto"):
-        cfg = self.config = resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
-                                           max_seq_len, freeze, autotune, tree_nodes, attention)
-        head, draft_model = cfg.head, cfg.draft_model
+    def __init__(self, model, config: EngineConfig, make_proposer=None):
+        """``config`` from :func:`engine_config`; ``make_proposer(fast)`` returns the drafter behind
+        the loop's one interface (:class:`specgraph.proposal.Proposer`; the default drafts nothing:
+        :func:`specgraph.proposers.make_proposer` builds the drafter ``config`` names)."""
+        cfg = self.config = config
+        draft_model = cfg.draft_model
         self.model = model
         self.draft, self.draft_model = cfg.draft, cfg.draft_model
         self.suffix_index, self.chain_drafter = cfg.suffix_index, cfg.chain_drafter
@@ -749,13 +725,15 @@ class SpecGraphModel:
         self._prefill_graph = None
         self._kv: dict = {}
         self.pass_counts: dict = {}
+        self.proposer = Proposer() if make_proposer is None else make_proposer(self)
+        if (self.proposer.head_drafter is None) != (cfg.head is None):
+            raise ValueError("make_proposer must give a head drafter exactly when the config has a head")
         # a head drafter proposes from the target's final features, which the rounds then also return
-        self.learned = None if head is None else learned.make_drafter(self, head)
+        self.learned = self.proposer.head_drafter
         if self.learned is not None:
             self.span = self.learned.span
         if self.fallback_reason is None and self.full_width:
             self._check_eager_attention(draft_model)
-        self.proposer = make_proposer(self)  # the drafter behind the loop's one interface (specgraph.proposers)
 
     def _check_eager_attention(self, draft_model) -> None:
         """Eager attention is served when the step's mask reaches every layer's scores (the pass
@@ -843,7 +821,7 @@ class SpecGraphModel:
     @property
     def draft_q(self) -> bool:
         """Whether sampled rounds read the draft's q rows (drafts sampled from a draft distribution)."""
-        return self.draft in ("model", *learned.LEARNED)
+        return self.draft in ("model", *HEAD_KINDS)
 
     def graph_plan(self, modes=MODES) -> list[GraphSpec]:
         """Every graph :meth:`generate` can ask for under this object's settings, for the given

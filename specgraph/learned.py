@@ -36,6 +36,7 @@ step, :class:`specgraph.capture.Step`). Per round:
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 
@@ -52,6 +53,9 @@ TREE_COST_POINTS = (1, 5, 9, 17, 33)  # compiled round sizes timed for tree_node
 # the held-out evaluation records top-1 and top-4 agreement per depth; the top-4 mass beyond rank 0
 # is split over ranks 1..3 in these proportions (a prior: the head's rank curve is not recorded)
 RANK_SPLIT = (0.5, 0.3, 0.2)
+# tree_nodes="auto" warns when its best EAGLE tree is predicted less than this much faster than a
+# plain step (the prediction leaves out the loop's host time, which speculation does not shrink)
+TREE_GAIN_MARGIN = 0.05
 _DEPTH_TIEBREAK = 1e-6  # dynamic trees: a child always ranks strictly below its parent (see _dynamic_tree_fn)
 
 
@@ -208,13 +212,14 @@ def measure_compiled_tree_costs(model, head, query_sizes, head_rows, *, backend:
     compile; :func:`choose_dynamic_tree` caches the result per machine and configuration."""
     import gc
 
-    from specgraph.compiler import SpecGraphModel
+    from specgraph.compiler import Draft, SpecGraphModel, engine_config
     from specgraph.perfmodel import CostCurve
     from specgraph.timing import measure_round_costs
 
     hi = max(query_sizes)
     pts = sorted({int(n) for n in points if 1 <= n < hi} | {1, hi})
-    tmp = SpecGraphModel(model, None, 1, None, backend, 1, context + max(hi, *head_rows) + 2, freeze, autotune)
+    plain = engine_config(model, Draft(None), 1, None, backend, 1, context + max(hi, *head_rows) + 2, freeze, autotune)
+    tmp = SpecGraphModel(model, plain)
     try:
         curve = CostCurve.fit(measure_round_costs(tmp, [1], pts, context, repeats, progress))
         target = {n: curve(n, 1) for n in sorted(set(query_sizes))}
@@ -346,6 +351,30 @@ def choose_dynamic_tree(model, head, max_depth: int, topk: int = EAGLE_TREE_TOPK
     plan["cost_source"] = source
     plan["rank_acceptance"] = accept
     return plan
+
+
+def size_dynamic_tree(model, config, stacklevel: int = 2):
+    """``tree_nodes="auto"`` for an EAGLE-2 config (:class:`specgraph.compiler.EngineConfig`):
+    ``config`` with the depth and drafted nodes :func:`choose_dynamic_tree` picks from this
+    machine's costs, or unchanged (then :data:`EAGLE_TREE_NODES`) when the head has no recorded
+    acceptance or the costs cannot be measured (with a warning that says why)."""
+    try:
+        choice = choose_dynamic_tree(model, config.head, config.k, backend=config.backend, freeze=config.freeze,
+                                     autotune=config.autotune)
+    except Exception as e:  # noqa: BLE001 - a size is an optimisation: keep the default, say why
+        warnings.warn(f"specgraph: could not measure this machine's tree costs ({type(e).__name__}: {e}); "
+                      f"using {EAGLE_TREE_NODES} nodes", stacklevel=stacklevel + 1)
+        return config
+    if choice is None:
+        return config
+    if choice["predicted_speedup"] < 1.0 + TREE_GAIN_MARGIN:
+        # dynamic trees have no per-round off switch (num_speculative_tokens="auto" gates chains
+        # only): say so rather than serve a predicted slowdown without a word
+        warnings.warn(
+            f"specgraph: on this machine the best EAGLE tree (depth {choice['depth']}, {choice['nodes']} nodes) is "
+            f"predicted at {choice['predicted_speedup']:.2f}x a plain step: speculation may not pay here; "
+            "draft=None compiles plain decoding (fast.tree_choice has the measurements)", stacklevel=stacklevel + 1)
+    return config.with_tree_size(choice["depth"], choice["nodes"], choice)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+NGRAM_TREE_MATCHES = 8  # prompt-lookup trees merge the continuations of this many latest matches
+
 
 def ngram_propose(
     history: torch.Tensor,  # [B, L] long, valid tokens in [:, :lengths[b]], anything after

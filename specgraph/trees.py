@@ -15,6 +15,11 @@ from typing import Sequence
 
 import torch
 
+# suffix decoding's dynamic trees are packed into one of these compiled shapes: drafted nodes
+# (the smallest that fits is used) and children per node
+SUFFIX_TREE_SIZES = (4, 16)
+SUFFIX_CHILDREN = 4
+
 
 def _as_parent_list(parents) -> list[int]:
     if isinstance(parents, torch.Tensor):

@@ -806,12 +806,12 @@ def test_compile_resolves_its_settings_into_one_config(llama):
     assert (c.draft, c.k, c.k_ladder, fast.span, c.slots, c.max_batch_size) == ("suffix", 6, [4, 6], 7, 65, 2)
     assert c.suffix_index is fast.suffix_index and c.suffix_index is not None and c.chain_drafter is None
     assert (fast.k, fast.k_ladder, fast.slots) == (c.k, c.k_ladder, c.slots)
-    tree = sg_compiler.resolve_config(llama, "ngram", 4, [(0,), (1,), (0, 0)], "eager", 1, 64)
+    tree = specgraph.api.resolve_config(llama, "ngram", 4, [(0,), (1,), (0, 0)], "eager", 1, 64)
     assert (tree.k, tree.tree.num_nodes, tree.tree_rank) == (2, 4, [-1, 0, 1, 0])
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        sg_compiler.resolve_config(llama, "ngram", 0, None, "eager", 1, 64)
+        specgraph.api.resolve_config(llama, "ngram", 0, None, "eager", 1, 64)
     with pytest.raises(ValueError, match="draft='suffix' builds its own trees"):
-        sg_compiler.resolve_config(llama, "suffix", 4, [(0,)], "eager", 1, 64)
+        specgraph.api.resolve_config(llama, "suffix", 4, [(0,)], "eager", 1, 64)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,11 +1,10 @@
 """Imports flow one way: core math <- engine <- drafters <- policy <- API <- serving <- export / runtime / CLI.
 
 Every ``specgraph`` module is assigned a layer; a module may import its own layer and the layers
-below. ``KNOWN_UPWARD`` lists the edges the engine still has that go the other way (the compiled
-loop dispatches its drafters and policy itself); the test fails on any other upward import, on a
-new import cycle, and on importing another module's ``_private`` name, and it fails when a listed
-edge is gone (so the list only shrinks). The negative controls feed the checker a synthetic
-upward import and a private import.
+below. The engine reaches its drafters through the interface it defines (``specgraph.proposal``)
+and its depth policy through the object it is given, so nothing goes the other way: the test
+fails on any upward import, on an import cycle, and on importing another module's ``_private``
+name. The negative controls feed the checker a synthetic upward import and a private import.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ LAYERS = [
     ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset",
               "processors", "generation", "templates", "lookup", "packing",
               "kernels", "passes"}),
-    ("engine", {"compiler", "callrows", "eager", "packages", "timing"}),
+    ("engine", {"compiler", "callrows", "eager", "packages", "proposal", "timing"}),
     ("drafters", {"drafters", "suffix", "heads", "learned", "proposers"}),
     ("policy", {"adaptive", "planner"}),
     ("api", {"api", "graphcache", "buildworker"}),
@@ -28,12 +27,6 @@ LAYERS = [
     ("export", {"aot", "onnx_export", "onnx", "cli", "train"}),
 ]
 LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
-
-# upward edges the engine still has: the compiled object makes its proposer and resolves head
-# drafters (the loop calls its depth policy through the object it was given: specgraph.compile,
-# in the API layer, wires the adaptive policy)
-KNOWN_UPWARD = {("compiler", "learned"), ("compiler", "proposers")}
-KNOWN_PRIVATE: set = set()
 
 
 def imports_of(source: str) -> tuple[set, set]:
@@ -77,14 +70,12 @@ def test_every_module_has_a_layer():
 
 def test_imports_flow_one_way():
     upward, private = violations(module_graph())
-    assert upward - KNOWN_UPWARD == set(), "imports against the layer order"
-    assert private - KNOWN_PRIVATE == set(), "imports of another module's private names"
-    assert KNOWN_UPWARD - upward == set(), "an edge of KNOWN_UPWARD is gone: remove it from the list"
-    assert KNOWN_PRIVATE - private == set(), "an entry of KNOWN_PRIVATE is gone: remove it from the list"
+    assert upward == set(), "imports against the layer order"
+    assert private == set(), "imports of another module's private names"
 
 
-def test_no_import_cycle_outside_the_known_edges():
-    graph = {m: {d for d in deps if d in LEVEL and (m, d) not in KNOWN_UPWARD} for m, (deps, _) in module_graph().items()}
+def test_no_import_cycle():
+    graph = {m: {d for d in deps if d in LEVEL} for m, (deps, _) in module_graph().items()}
     seen, stack = set(), []
 
     def visit(m):

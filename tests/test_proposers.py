@@ -13,7 +13,7 @@ import torch
 import specgraph
 from specgraph.proposers import (CallStart, ChainProposal, CustomChainProposer, NgramProposer, Proposer, RoundView,
                                  SuffixProposer)
-from specgraph.proposers.base import RoundOutcome
+from specgraph.proposal import RoundOutcome
 from specgraph.suffix import SuffixIndex
 from specgraph.drafters import ReplayDrafter
 from specgraph.warping import SamplingParams
@@ -47,6 +47,28 @@ def test_each_drafter_gets_its_proposer(llama):
     assert isinstance(specgraph.compile(llama, "suffix", **kw).proposer, SuffixProposer)
     rd = ReplayDrafter({(1, 2): [3, 4]}, beta=1.0, vocab_size=128)
     assert isinstance(specgraph.compile(llama, rd, **kw).proposer, CustomChainProposer)
+
+
+def test_draft_is_resolved_above_the_engine_into_a_kind_and_its_objects(llama):
+    """proposers.resolve_draft turns each accepted ``draft=`` into the engine's Draft; the engine,
+    given a config and no proposer factory, drafts nothing (it never names a drafter itself)."""
+    from specgraph.compiler import SpecGraphModel, engine_config
+    from specgraph.proposers import resolve_draft
+
+    assert resolve_draft(llama, None).kind is None and resolve_draft(llama, "ngram").kind == "ngram"
+    fresh = resolve_draft(llama, "suffix")
+    assert fresh.kind == "suffix" and isinstance(fresh.suffix_index, SuffixIndex)
+    index = SuffixIndex()
+    assert resolve_draft(llama, index).suffix_index is index
+    rd = ReplayDrafter({(1, 2): [3, 4]}, beta=1.0, vocab_size=128)
+    assert (resolve_draft(llama, rd).kind, resolve_draft(llama, rd).chain_drafter) == ("custom", rd)
+    small = tiny("llama", seed=1)
+    assert (resolve_draft(llama, small).kind, resolve_draft(llama, small).draft_model) == ("model", small)
+    with pytest.raises(ValueError, match="draft='lookahead' is not supported"):
+        resolve_draft(llama, "lookahead")
+    config = engine_config(llama, resolve_draft(llama, "ngram"), 4, None, "eager", 1, 64)
+    assert type(SpecGraphModel(llama, config).proposer) is Proposer
+    assert isinstance(SpecGraphModel(llama, config, specgraph.proposers.make_proposer).proposer, NgramProposer)
 
 
 class Recorder(Proposer):

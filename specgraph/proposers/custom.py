@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specgraph.drafters import ChainDrafter
-from specgraph.proposers.base import CallStart, ChainProposal, Proposer, RoundView
+from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundView
 
 
 class CustomChainProposer(Proposer):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specgraph.proposers.base import CallStart, ChainProposal, Proposer, RoundView, TreeProposal
+from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundView, TreeProposal
 from specgraph.verify import exponential_noise
 
 

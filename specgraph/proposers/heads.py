@@ -1,7 +1,7 @@
 """EAGLE / Medusa heads (:mod:`specgraph.learned`) behind the proposer interface."""
 from __future__ import annotations
 
-from specgraph.proposers.base import CallStart, ChainProposal, Proposer, RoundOutcome, RoundView, TreeProposal
+from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundOutcome, RoundView, TreeProposal
 
 
 class HeadProposer(Proposer):
@@ -11,6 +11,7 @@ class HeadProposer(Proposer):
 
     def __init__(self, drafter, k: int):
         self.drafter, self.k = drafter, k
+        self.head_drafter = drafter  # the rounds return the target's features for it
 
     def start(self, call: CallStart) -> None:
         self.drafter.start(call.batch, call.rows, call.prefill_hidden, call.device)

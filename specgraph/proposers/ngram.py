@@ -1,12 +1,11 @@
 """Prompt lookup: drafts copied from earlier in each row's own text."""
 from __future__ import annotations
 
-from specgraph.lookup import ngram_propose, ngram_tree_propose
-from specgraph.proposers.base import ChainProposal, Proposer, RoundView, TreeProposal
+from specgraph.lookup import NGRAM_TREE_MATCHES, ngram_propose, ngram_tree_propose
+from specgraph.proposal import ChainProposal, Proposer, RoundView, TreeProposal
 from specgraph.trees import TreeSpec
 
 NGRAM_MAX, NGRAM_MIN = 3, 2  # longest / shortest suffix n-gram to match
-NGRAM_TREE_MATCHES = 8  # trees merge the continuations of this many latest matches
 
 
 def propose_ngram_tree(spec: TreeSpec, rank: list[int], hist, L, active):

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from specgraph.proposers.base import CallStart, ChainProposal, Proposer, RoundOutcome, RoundView, TreeProposal
-
-SUFFIX_TREE_SIZES = (4, 16)  # drafted nodes of the compiled suffix-tree shapes; the smallest that fits is used
-SUFFIX_CHILDREN = 4  # children per node in suffix trees
+from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundOutcome, RoundView, TreeProposal
+from specgraph.trees import SUFFIX_CHILDREN, SUFFIX_TREE_SIZES  # noqa: F401 (the compiled suffix-tree shapes)
 # Suffix drafts keep only nodes whose estimated path probability (count / root count) is at least
 # this: on a CPU a drafted token costs ~10% of a plain step, so a node below that loses on average.
 SUFFIX_MIN_SCORE = 0.1

@@ -1,4 +1,6 @@
-"""What the compiled loop asks of a drafter, and what it tells it back.
+"""What the compiled loop asks of a drafter, and what it tells it back: the interface the
+drafters (:mod:`specgraph.proposers`) implement, kept beside the engine so the loop depends on the
+interface and never on a drafter.
 
 One proposer lives on one compiled object. Per ``generate`` call the loop calls
 :meth:`Proposer.start` once, after the prompts are in the target's cache; per round
@@ -70,6 +72,10 @@ class RoundOutcome:
 
 class Proposer:
     """No drafts: every round is a plain step. Drafters override what they need."""
+
+    # a drafter that reads the target's final features (EAGLE / Medusa heads, specgraph.learned):
+    # the rounds then also return those features, and its trees set the slots a round writes
+    head_drafter = None
 
     def start(self, call: CallStart) -> None:
         pass
