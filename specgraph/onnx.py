@@ -3,8 +3,9 @@
 The generation loop is the compiler's (:meth:`specgraph.SpecGraphModel.generate`) with the round
 function replaced by the exported graphs: prompts are written into the cache by the prefill graph
 ``C`` tokens per call (and into the draft model's cache by ``draft_prefill_c{C}``); then every round
-proposes on the host exactly as the compiler does, runs one graph, reads the emitted tokens (the one
-host sync per round) and advances the committed lengths:
+asks the compiled loop's own proposers (:mod:`specgraph.proposers`, through the interface of
+:mod:`specgraph.proposal`, with the exported settings) for drafts, runs one graph, reads the emitted
+tokens (the one host sync per round) and advances the committed lengths:
 
 * chains (``draft=None``, ``"ngram"``, ``"suffix"`` with ``tree=None``): prompt lookup
   (:func:`specgraph.lookup.ngram_propose`) or the suffix index's best path
@@ -17,8 +18,9 @@ host sync per round) and advances the committed lengths:
   (:func:`specgraph.proposers.suffix.pack_suffix_trees`); ``tree_n{N}_c{C}_d{D}`` verifies the tree and
   compacts the accepted path's K/V in the graph; the plain step when nothing was proposed.
 * a draft model: K ``draft_q{Q}`` steps (Q = 2 for the first, feeding the previous token and the
-  root, then 1) on the draft's own cache, then ``verify_k{K}`` with the drafts and, when sampling,
-  the exact q rows they were drawn from (``draft_probs``).
+  root, then 1) on the draft's own cache (:class:`OnnxDraftModelProposer`: the draft model's
+  proposer with onnxruntime running its steps), then ``verify_k{K}`` with the drafts and, when
+  sampling, the exact q rows they were drawn from (``draft_probs``).
 
 Suffix decoding keeps a :class:`specgraph.suffix.SuffixIndex` (the generator's own, with the
 exported settings, or one passed in): each request drafts from a session over its prompt and its
@@ -46,10 +48,9 @@ import torch
 from specgraph.artifacts import ArtifactError, check_listed, safe_path, verify_files
 from specgraph.callrows import CallRows
 from specgraph.compiler import assemble_output, eos_and_pad, next_k, one_call, prompt_rows
-from specgraph.proposers.ngram import propose_ngram_tree
-from specgraph.proposers.suffix import (SUFFIX_MIN_SCORE, calibrate_suffix, pack_suffix_trees, suffix_chain_drafts,
-                                        suffix_chains)
-from specgraph.lookup import ngram_propose
+from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundOutcome, RoundView
+from specgraph.proposers import NgramProposer, SuffixProposer
+from specgraph.proposers.suffix import SUFFIX_MIN_SCORE
 from specgraph.eager import GenerationStats
 from specgraph.generation import stop_at
 from specgraph.onnx_export import (  # noqa: F401 (export_onnx: re-export)
@@ -58,7 +59,7 @@ from specgraph.onnx_export import (  # noqa: F401 (export_onnx: re-export)
 from specgraph.suffix import SuffixIndex
 from specgraph.trees import TreeSpec
 from specgraph.verify import chain_noise, exponential_noise, tree_noise
-from specgraph.warping import check_sampling_params, normalize_filters
+from specgraph.warping import SamplingParams, check_sampling_params, normalize_filters
 
 __all__ = ["OnnxSpecGenerator", "export_onnx", "load_manifest"]
 
@@ -154,6 +155,11 @@ class OnnxSpecGenerator:
         self._kv_host: dict = {}  # cache -> numpy buffers that CPU OrtValues alias: kept alive here
         self._lock = threading.RLock()  # suffix sessions and stats are per call: one generate at a time
         self.stats = GenerationStats()
+        # what the proposers read of a compiled object: the chain ladder and the deepest round
+        self.k_ladder, self._plain = self._ladder()
+        self.k = self.tree["depth_limit"] if self.tree is not None and self.tree["kind"] == "dynamic" \
+            else self.num_speculative_tokens
+        self.proposer = self._make_proposer()
 
     # ------------------------------------------------------------------------------------------
     # graphs
@@ -258,13 +264,7 @@ class OnnxSpecGenerator:
         rows = self._rows(input_ids, attention_mask, max_new_tokens)
         with one_call(self):
             self.stats = GenerationStats()
-            sessions = None
-            if self.draft == "suffix":  # as SpecGraphModel.generate: a session per request
-                sessions = [self.suffix_index.start(r) for r in rows]
-            new = self._loop(rows, max_new_tokens, mode, float(temperature), eos, generator, uniforms, sessions)
-            if sessions is not None:
-                for r, n in zip(rows, new):  # later requests may repeat this one
-                    self.suffix_index.add_document(r + n)
+            new = self._loop(rows, max_new_tokens, mode, float(temperature), eos, generator, uniforms)
         return assemble_output(input_ids, new, pad_token_id)
 
     def _rows(self, input_ids, attention_mask, max_new_tokens) -> list[list[int]]:
@@ -306,96 +306,63 @@ class OnnxSpecGenerator:
             self._call(name, {"input_ids": ids, "start": np.full(B, c0, dtype=np.int64), "num_valid": nv}, kv,
                        fetch=(), cache=cache)
 
-    def _propose_chain(self, ladder, k_now, hist, L, root, active, sessions, sample: bool):
-        """Model-free chain drafts for this round: (k, drafts [B, k], whether some live row has a
-        proposal; without one the compiler takes a plain step). The compiler's rules
-        (specgraph.proposers): prompt lookup drafts k_now tokens (the depth ladder), suffix
-        decoding the best path of each row's suffix tree, at most k_now tokens, in the smallest
-        ladder depth that holds the longest (:func:`specgraph.proposers.suffix.suffix_chain_drafts`); sampled
-        rounds calibrate the suffix threshold per row as the compiler does
-        (:func:`specgraph.proposers.suffix.calibrate_suffix`)."""
+    def _make_proposer(self) -> Proposer:
+        """The compiled loop's proposer for this export's drafter, with the exported settings."""
+        if self.draft == "model":
+            return OnnxDraftModelProposer(self)
         if self.draft == "ngram":
-            d, matched = ngram_propose(hist, L + 1, k_now, self.manifest["ngram"]["max"], self.manifest["ngram"]["min"])
-            return k_now, d, bool((matched * active).any())
-        chains = suffix_chains(sessions, k_now, self._suffix_min_score, calibrated=sample)
-        out = suffix_chain_drafts(chains, [d for d in ladder if d <= k_now], root, active.tolist())
-        if out is None:  # only used without a plain graph: the smallest depth, all root repeats (rejected)
-            return ladder[0], root.unsqueeze(1).repeat(1, ladder[0]), False
-        return (*out, True)
+            ngram = self.manifest["ngram"]
+            rank = self.tree["rank"] if self._tree_spec is not None else None
+            return NgramProposer(self._tree_spec, rank, ngram["max"], ngram["min"])
+        if self.draft == "suffix":
+            return SuffixProposer(self, self._suffix_min_score)
+        return Proposer()
 
-    def _propose_tree(self, hist, L, root, active, sessions):
-        """(tree_tokens [B, N], parents [B, N], shape (N, C, D), drafted nodes per row) or None."""
-        if self.tree["kind"] == "dynamic":
-            return pack_suffix_trees(sessions, self.batch_size, self.tree["depth_limit"], active.tolist(),
-                                     self._suffix_min_score)
-        return propose_ngram_tree(self._tree_spec, self.tree["rank"], hist, L, active)
+    def _chain(self, view: RoundView, k_now: int | None) -> ChainProposal:
+        """This round's chain: the proposer's at depth ``k_now``, else a plain step; an export
+        without the plain graph verifies the root repeated at its smallest depth instead (all
+        rejected: one token, as a plain step)."""
+        chain = self.proposer.propose(view, k_now) if k_now is not None else None
+        if chain is None and self._plain != 0:
+            chain = ChainProposal(self._plain, view.root.unsqueeze(1).repeat(1, self._plain))
+        return chain or ChainProposal(0, view.hist[:, :0])
 
-    def _draft_model_chain(self, dkv, hist, L, root, active, sample, temp, generator):
-        """K draft-model steps (specgraph.proposers.draft_model): drafts [B, K] and, when
-        sampling, the q rows [B, K, V] they were drawn from (else None)."""
-        B, V, K = self.batch_size, self.vocab, self.num_speculative_tokens
-        prev = hist.gather(1, (L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
-        tokens, last = torch.stack([prev, root], dim=1), L
-        drafts, probs = [], []
-        for j in range(K):
-            Q = 2 if j == 0 else 1
-            inputs = {"tokens": tokens.numpy(), "last": last.numpy(), "active": active.numpy()}
-            if sample:
-                inputs["expo"] = _np(exponential_noise((B, V), "cpu", generator))  # the compiler's draw order
-                inputs["temperature"] = temp
-            outs = self._call(f"draft_q{Q}" + ("_sample" if sample else ""), inputs, dkv,
-                              fetch=("token", "q") if sample else ("token",), cache="draft")
-            tok = torch.from_numpy(outs["token"])
-            drafts.append(tok)
-            if sample:
-                probs.append(outs["q"])
-            tokens, last = tok.unsqueeze(1), last + 1
-        return torch.stack(drafts, dim=1), (np.stack(probs, axis=1) if sample else None)
-
-    def _loop(self, rows, max_new_tokens, mode, temperature, eos, generator, uniforms, sessions):
+    def _loop(self, rows, max_new_tokens, mode, temperature, eos, generator, uniforms):
         n_rows, B, S, V = len(rows), self.batch_size, self.slots, self.vocab
         sample = mode == "sample"
-        ladder, plain = self._ladder()
+        params = SamplingParams(temperature if sample else 0.0)
+        ladder = self.k_ladder
         k_now = ladder[0] if ladder else None
         start_t = time.perf_counter()
         kv = self._new_kv("target")
-        dkv = self._new_kv("draft") if self.draft == "model" else None
         self._prefill(rows, kv)
-        if dkv is not None:
-            self._prefill(rows, dkv, "draft")
         state = CallRows.start(rows, B, S, "cpu")  # the compiled loop's row state
+        self.proposer.start(CallStart(rows, B, torch.device("cpu")))
 
         def stop(b, emitted, room):
             return stop_at(emitted, room, eos)
         temp = np.full(B, temperature, dtype=np.float32)
         while not all(state.done):
-            hist, L, root, done = state.hist, state.L, state.root, state.done
-            active = torch.tensor(state.live)
-            tree = None if self.tree is None else self._propose_tree(hist, L, root, active, sessions)
-            inputs = {"root": root.numpy(), "L": L.numpy(), "active": active.numpy()}
+            live = state.live
+            view = RoundView(B, params, S, state.hist, state.L, state.root, torch.tensor(live), generator, V)
+            tree = self.proposer.propose_tree(view) if self.tree is not None else None
+            inputs = {"root": state.root.numpy(), "L": state.L.numpy(), "active": view.active.numpy()}
+            chain_depth = None
             if tree is not None:
-                tree_tokens, parents, shape, drafted = tree
-                N, C, D = shape
-                inputs.update(tree_tokens=tree_tokens.numpy(), parents=parents.numpy())
-                name = tree_graph_name(shape, sample)
+                N, C, D = tree.shape
+                inputs.update(tree_tokens=tree.tokens.numpy(), parents=tree.parents.numpy())
+                name = tree_graph_name(tree.shape, sample)
                 if sample:
                     accept_u, expo = tree_noise(B, N, C, V, "cpu", generator)
                     inputs.update(accept_u=_np(accept_u), expo=_np(expo), temperature=temp)
-                k, depth = drafted, D
+                k, depth = tree.drafted, D
             else:
-                k, drafts, draft_probs = plain, None, None
-                if self.draft == "model":
-                    drafts, draft_probs = self._draft_model_chain(dkv, hist, L, root, active, sample, temp, generator)
-                elif k_now is not None:
-                    kk, d, found = self._propose_chain(ladder, k_now, hist, L, root, active, sessions, sample)
-                    if found or plain != 0:  # else a plain step, as the compiler (an export without depth 0 never does)
-                        k, drafts = kk, d
-                if k > 0 and drafts is None:  # pragma: no cover - plain depth > 0 only without a drafter
-                    raise ValueError("a speculative graph needs drafts")
+                chain = self._chain(view, k_now)
+                k = depth = chain_depth = chain.k
                 if k > 0:
-                    inputs["drafts"] = drafts.numpy()
-                if draft_probs is not None:
-                    inputs["draft_probs"] = draft_probs
+                    inputs["drafts"] = chain.drafts.numpy()
+                if chain.probs is not None:
+                    inputs["draft_probs"] = _np(chain.probs)
                 name = f"verify_k{k}"
                 if sample:
                     name += "_sample"
@@ -404,26 +371,65 @@ class OnnxSpecGenerator:
                         inputs["accept_u"] = _np(accept_u)
                     inputs["expo"] = _np(expo)
                     inputs["temperature"] = temp
-                depth = k
             outs = self._call(name, inputs, kv)
-            tokens_t = torch.from_numpy(outs["tokens"])
-            tokens_h, n_h = outs["tokens"].tolist(), outs["num_emitted"].tolist()
+            tokens_t, n_t = torch.from_numpy(outs["tokens"]), torch.from_numpy(outs["num_emitted"])
+            n_h = outs["num_emitted"].tolist()
             self.stats.rounds += 1
-            if k_now is not None and not isinstance(k, list):
-                k_now = next_k(ladder, k_now, k, [n_h[b] for b in range(n_rows) if not done[b]])
-            if sessions is not None and tree is None and sample and k:
-                calibrate_suffix(sessions, n_h, [not d for d in done])
+            if ladder and chain_depth is not None:
+                k_now = next_k(ladder, k_now, chain_depth, [n_h[b] for b in range(n_rows) if live[b]])
+            kept = [[] for _ in range(B)]
             for b in range(n_rows):
-                if done[b]:
+                if not live[b]:
                     continue
-                keep = state.keep(b, tokens_h[b][: n_h[b]], max_new_tokens, eos, stop)
-                self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
-                if sessions is not None:
-                    sessions[b].extend(keep)
+                kept[b] = state.keep(b, tokens_t[b, : n_h[b]].tolist(), max_new_tokens, eos, stop)
+                self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(kept[b]), depth)
+            self.proposer.observe(view, RoundOutcome(tokens_t, n_t, None, n_h, live, kept, chain_depth))
             state.end_when_all_finished()
             state.commit(tokens_t, state.advances(n_h))
         self.stats.seconds += time.perf_counter() - start_t
+        self.proposer.finish(rows, state.new)
         return state.new
+
+
+class OnnxDraftModelProposer(Proposer):
+    """A draft model's chains (as :class:`specgraph.proposers.draft_model.DraftModelProposer`
+    drafts them) with onnxruntime as the executor: per call the prompts go into the draft's own
+    cache (``draft_prefill_c{C}``); per round K ``draft_q{Q}`` steps (Q = 2 for the first, feeding
+    the previous token and the root, then 1) draw the drafts, in the compiler's draw order when
+    sampling, and return the q rows they were drawn from."""
+
+    def __init__(self, gen: "OnnxSpecGenerator"):
+        self.gen, self.kv = gen, None
+
+    def start(self, call: CallStart) -> None:
+        self.kv = self.gen._new_kv("draft")
+        self.gen._prefill(call.rows, self.kv, "draft")
+
+    def propose(self, view: RoundView, k: int) -> ChainProposal:
+        """K draft-model steps: drafts [B, K] and, when sampling, the q rows [B, K, V]."""
+        gen, B, V = self.gen, view.batch, view.vocab
+        K, sample = gen.num_speculative_tokens, not view.params.greedy
+        temp = np.full(B, view.params.temperature, dtype=np.float32)
+        prev = view.hist.gather(1, (view.L - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
+        tokens, last = torch.stack([prev, view.root], dim=1), view.L
+        drafts, probs = [], []
+        for j in range(K):
+            Q = 2 if j == 0 else 1
+            inputs = {"tokens": tokens.numpy(), "last": last.numpy(), "active": view.active.numpy()}
+            if sample:
+                inputs["expo"] = _np(exponential_noise((B, V), "cpu", view.generator))  # the compiler's draw order
+                inputs["temperature"] = temp
+            outs = gen._call(f"draft_q{Q}" + ("_sample" if sample else ""), inputs, self.kv,
+                             fetch=("token", "q") if sample else ("token",), cache="draft")
+            tok = torch.from_numpy(outs["token"])
+            drafts.append(tok)
+            if sample:
+                probs.append(torch.from_numpy(outs["q"]))
+            tokens, last = tok.unsqueeze(1), last + 1
+        return ChainProposal(K, torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if sample else None)
+
+    def finish(self, rows, new) -> None:
+        self.kv = None
 
 
 def _np(t) -> np.ndarray:

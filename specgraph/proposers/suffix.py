@@ -109,10 +109,12 @@ class SuffixProposer(Proposer):
     """Suffix decoding over ``engine.suffix_index`` (read at each call, so a new index can be
     assigned between calls; each finished call's prompts and outputs are added to it). Chains move
     between the depths of ``engine.k_ladder`` (a round capped at depth k takes the smallest depth
-    that holds its longest chain); trees go up to depth ``engine.k``."""
+    that holds its longest chain); trees go up to depth ``engine.k``. ``engine``: what holds those
+    three (a compiled object, or the ONNX runtime's generator); ``min_score``: the pruning of
+    drafts by estimated path probability."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, min_score: float = SUFFIX_MIN_SCORE):
+        self.engine, self.min_score = engine, min_score
         self.sessions = None
 
     def start(self, call: CallStart) -> None:
@@ -122,12 +124,12 @@ class SuffixProposer(Proposer):
         # the round's depth k (the ladder's current rung, or the policy's choice) caps the chain: a
         # suffix seen once scores 1.0 all along, so its length alone would always ask for the
         # deepest graph; the ladder's depths below k hold shorter chains
-        chains = suffix_chains(self.sessions, k, calibrated=not view.params.greedy)
+        chains = suffix_chains(self.sessions, k, self.min_score, calibrated=not view.params.greedy)
         out = suffix_chain_drafts(chains, rungs_upto(self.engine.k_ladder, k), view.root, view.active.tolist())
         return None if out is None else ChainProposal(*out)
 
     def propose_tree(self, view: RoundView) -> TreeProposal | None:
-        packed = pack_suffix_trees(self.sessions, view.batch, self.engine.k, view.active.tolist())
+        packed = pack_suffix_trees(self.sessions, view.batch, self.engine.k, view.active.tolist(), self.min_score)
         if packed is None:
             return None
         tokens, parents, shape, drafted = packed
