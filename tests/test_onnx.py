@@ -557,6 +557,7 @@ def test_tree_and_suffix_greedy_equals_hf_generate_and_torch_path(which, request
     ex = request.getfixturevalue(which)
     g, accepted = check_greedy(ex, [ROWS_2, ROWS_2[:1], [ROWS_2[1]]])
     assert accepted > 0  # drafts were accepted (trees: compacted paths were exercised end to end)
+    assert type(g.proposer) is type(ex.fast.proposer)  # the compiled loop's own drafter, not a twin
     if which == "suffix_chain":
         assert ex.manifest["depths"] == [0, 4] and ex.manifest["tree"] is None
         assert g.suffix_index.global_tokens == ex.fast.suffix_index.global_tokens > 0
@@ -584,7 +585,10 @@ def test_suffix_tree_drafts_repeated_request_from_the_index(suffix_tree):
 
 @torch.no_grad()
 def test_draft_model_greedy_equals_hf_generate_and_torch_path(draft_chain):
-    check_greedy(draft_chain, [ROWS_2, ROWS_2[:1]])
+    from specgraph.onnx import OnnxDraftModelProposer
+
+    g, _ = check_greedy(draft_chain, [ROWS_2, ROWS_2[:1]])
+    assert isinstance(g.proposer, OnnxDraftModelProposer)  # the draft's steps: the exported graphs
 
 
 @torch.no_grad()
