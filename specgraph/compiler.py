@@ -14,7 +14,6 @@ is a scratch slot where padding and finished rows write.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import os
 import threading
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specgraph.callrows import CallRows, advanced_slots
+from specgraph.loop import LadderDepth, RoundResult, decode, default_ladder
 from specgraph.packing import packed_layout
 from specgraph.capture import (Step, UnsupportedModel, capture_step, check_supported, full_width, layer_windows,
                                new_kv_cache, uses_alibi)
@@ -33,9 +33,9 @@ from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV
 from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set, with_logits
 from specgraph.generation import (GenerationRequest, ScoreLog, StepStreamer, UnsupportedSetting, inferred_attention_mask,
                                   resolve, stop_at)
-from specgraph.passes import attend_prefix_pass, block_sparse_attention_pass, run_step_pipeline
+from specgraph.passes import block_sparse_attention_pass, run_step_pipeline
 from specgraph.lookup import NGRAM_TREE_MATCHES
-from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundOutcome, RoundView
+from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundView, TreeProposal
 from specgraph.processors import LogitsSpec, chain_paths, process_logits, tree_paths
 from specgraph.trees import SUFFIX_CHILDREN, SUFFIX_TREE_SIZES, TreeSpec, tree_buffers, tree_from_paths
 from specgraph.templates import memoize_kernel_templates
@@ -368,7 +368,6 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-NGRAM_START_K = 4  # prompt lookup chains start at this depth and go up to K after a fully accepted round
 MIN_ATTEND = 256  # overridable for tests
 # past MIN_ATTEND, CPU rounds attend the live slots rounded up to this step: a round's attention
 # reads every attended slot of every row, and one dynamic-width graph serves every width
@@ -386,26 +385,6 @@ AUTOTUNE_MIN_PARAMS = 50_000_000
 # attending the whole cache costs little there (1024 fp32 K/V slots of SmolLM2 read ~280 MB per step
 # at ~4.8 TB/s): one width per shape up to max_seq_len 1024.
 MIN_ATTEND_CUDA = 1024
-
-
-def next_k(ladder: list[int], k_now: int, k: int, n_live: list[int]) -> int:
-    """Model-free chain depth for the next round, given the depth ``k`` this round used and the
-    tokens each live row emitted (``n_live``): one rung up the ladder after a round where some
-    row accepted every draft (a long copy is running), one down when none accepted more than half;
-    unchanged after a plain round. Decided from the round's counts, which the host reads anyway."""
-    if k == 0 or k not in ladder or not n_live:
-        return k_now
-    i = ladder.index(k)
-    if any(n == k + 1 for n in n_live) and i + 1 < len(ladder):
-        return ladder[i + 1]
-    if all(n - 1 <= k // 2 for n in n_live) and i > 0:
-        return ladder[i - 1]
-    return k
-
-
-def default_ladder(k: int) -> list[int]:
-    """The chain depths model-free drafters move between by default: min(k, NGRAM_START_K) and k."""
-    return sorted({min(k, NGRAM_START_K), k})
 
 
 @contextlib.contextmanager
@@ -1373,9 +1352,6 @@ class SpecGraphModel:
 
         return self._compiled("draft", draft_fn, weights=(self.draft_model,))
 
-    def _next_k(self, k, n_live) -> int:
-        return next_k(self.k_ladder, self._k_now, k, n_live)
-
     # ------------------------------------------------------------------------------------------
     # generation
 
@@ -1503,94 +1479,17 @@ class SpecGraphModel:
 
         def stop(b, emitted, room):  # the request's stops, on the row as stopping criteria see it
             return stop_at(emitted, room, eos, req.stopping, padded[b] + state.new[b], start, req.max_time)
-        V = self.vocab
-        self._k_now = self.k_ladder[0]
-        if self.policy is not None:
-            self.policy.start(self, rows, B, device)
-        temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
-        while not all(state.done):
-            width = attend_width(state.need(self.span), S, self.min_attend, self.width_step)
-            live = state.live
-            view = RoundView(B, params, width, state.hist, state.L, state.root, torch.tensor(live, device=device),
-                             generator, V)
-            hist, L, root, active = view.hist, view.L, view.root, view.active
-            done = state.done
-            tree = None if self.tree is None else self.proposer.propose_tree(view)
-            if tree is not None:
-                tokens, n, *rest = self._run_tree_round(B, params, width, tree, root, L, active, generator, V, kv,
-                                                        proc, extras)
-                k, depth = tree.drafted, tree.shape[2]  # drafted nodes per row, depth
-            else:
-                chain = None
-                if self.tree is None:  # (tree mode: the drafter found nothing, a plain step)
-                    if self.policy is not None:  # the depth of this round, for the whole batch
-                        left = [max_new_tokens - len(state.new[b]) for b in range(n_rows)]
-                        self._k_now = self.policy.choose(done, state.L_host, hist, left)
-                    if self._k_now:  # depth 0: a plain step (what "auto" chooses when speculation would not pay)
-                        chain = self.proposer.propose(view, self._k_now)
-                chain = chain or ChainProposal(0, hist[:, :0])
-                k, drafts, draft_probs = chain.k, chain.drafts, chain.probs
-                if params.greedy:
-                    accept_u = torch.zeros(B, k, device=device)
-                    expo = torch.ones(B, k + 1, 1, device=device)
-                else:
-                    accept_u, expo = chain_noise(B, k, V, device, generator)
-                round_fn = self._round_fn(B, params, width, k, extras)
-                tokens, n, *rest = round_fn(root, L, active, accept_u, expo, drafts,
-                                            accept_u if draft_probs is None else draft_probs, *temp, *proc, *kv)
-                depth = k
-            scores, rest = (rest[:2], rest[2:]) if extras.scores else (None, rest)
-            logprobs, rest = (rest[:3], rest[3:]) if extras.logprobs >= 0 else (None, rest)
-            hidden = rest[0] if self.learned is not None else None  # the head's next feed
-            tokens_h, n_h = tokens.tolist(), n.tolist()  # the one host sync per round
-            self.stats.rounds += 1
-            if self.policy is not None:  # per-row acceptance estimates, from the counts just read
-                self.policy.observe(k, n_h, done, state.L_host)
-            elif not isinstance(k, list):
-                self._k_now = self._next_k(k, [n_h[b] for b in range(n_rows) if not done[b]])
-            kept = [[] for _ in range(B)]
-            for b in range(n_rows):
-                if done[b]:
-                    continue
-                kept[b] = keep = state.keep(b, tokens_h[b][: n_h[b]], max_new_tokens, eos, stop)
-                if score_log is not None and keep:
-                    n_keep = len(keep)
-                    if scores is not None:
-                        score_log.add(b, scores[0][b, :n_keep].cpu(), scores[1][b, :n_keep].cpu())
-                    if logprobs is not None:
-                        score_log.add_logprobs(b, *(t[b, :n_keep].cpu() for t in logprobs))
-                self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(keep), depth)
-            self.proposer.observe(view, RoundOutcome(tokens, n, hidden, n_h, live, kept,
-                                                     None if isinstance(k, list) else k))
-            if not state.end_when_all_finished() and stream is not None:
-                stream.advance(state.new, state.done)
-            adv = state.advances(n_h)  # the rows still running move on (rolled-back slots are just not counted)
-            if proc:  # the processors' view of each row grows by the same tokens
-                seq, meta = proc
-                pos, write = advanced_slots(L, tokens, torch.tensor(adv, device=device))
-                ppos = torch.where(write, pos + meta[:, :1], 2 * S - 1)
-                seq.scatter_(1, ppos, torch.where(write, tokens, seq[:, 2 * S - 1:]))
-            state.commit(tokens, adv)
+        depth = self.policy if self.policy is not None else LadderDepth(self.k_ladder)
+        depth.start(self, rows, B, device)
+        rounds = CompiledRounds(self, B, params, kv, proc, extras, score_log, generator)
+        decode(state, self.proposer, rounds, depth, params=params, generator=generator, vocab=self.vocab,
+               trees=self.tree is not None, max_new_tokens=max_new_tokens, eos=eos, stop=stop, stats=self.stats,
+               stream=stream)
         if stream is not None:
             stream.advance(state.new, [True] * n_rows)
             stream.end()
         self.stats.seconds += time.perf_counter() - start
         return state.new, score_log
-
-    def _run_tree_round(self, B, params, width, tree, root, L, active, generator, V, kv, proc=(), extras=None):
-        tree_tokens, parents, shape = tree.tokens, tree.parents, tree.shape
-        device = root.device
-        N, C, _ = shape
-        if params.greedy:
-            accept_u, expo = torch.zeros(B, N, C, device=device), torch.ones(B, N, 1, device=device)
-        else:
-            accept_u, expo = tree_noise(B, N, C, V, device, generator)
-        temp = () if params.greedy else (torch.full((B,), params.temperature, device=device),)
-        tokens, n, path_nodes, *rest = self._tree_round_fn(B, params, width, shape, extras)(
-            root, L, active, accept_u, expo, tree_tokens, parents, *temp, *proc, *kv)
-        if self.draft == "model":  # the draft cache holds the fed tree nodes at their tree slots too
-            self._compact_fn(B, "draft")(L, path_nodes, n, active, *self.kv_cache(B, "draft"))
-        return (tokens, n, *rest)
 
     def prefill_rows(self, B, rows, kv, device, which):
         """Write every prompt token but the last (the first root) into the cache.
@@ -1630,3 +1529,72 @@ class SpecGraphModel:
         else:
             prefill_logits(self._eager_draft_step, ids, pos, valid, part, W, self.draft_window)
         return None
+
+
+class CompiledRounds:
+    """The round graphs of one ``generate`` call on a compiled object (Inductor graphs or
+    AOTInductor packages), as :func:`specgraph.loop.decode` runs them: batch bucket ``B``, the
+    call's sampling ``params``, its cache ``kv``, the logits processors' row state ``proc`` and
+    the outputs the request asked for (``extras``, collected in ``score_log``)."""
+
+    def __init__(self, fast: SpecGraphModel, B: int, params: SamplingParams, kv, proc, extras: RoundExtras,
+                 score_log: ScoreLog | None, generator):
+        self.fast, self.B, self.params, self.kv, self.proc = fast, B, params, kv, proc
+        self.extras, self.score_log, self.generator = extras, score_log, generator
+        self.device = kv[0].device
+        self.temp = () if params.greedy else (torch.full((B,), params.temperature, device=self.device),)
+
+    def width(self, state: CallRows) -> int:
+        f = self.fast
+        return attend_width(state.need(f.span), f.slots, f.min_attend, f.width_step)
+
+    def chain(self, view: RoundView, chain: ChainProposal) -> RoundResult:
+        B, k, dev = self.B, chain.k, self.device
+        if self.params.greedy:
+            accept_u, expo = torch.zeros(B, k, device=dev), torch.ones(B, k + 1, 1, device=dev)
+        else:
+            accept_u, expo = chain_noise(B, k, view.vocab, dev, self.generator)
+        round_fn = self.fast._round_fn(B, self.params, view.width, k, self.extras)
+        q = accept_u if chain.probs is None else chain.probs
+        tokens, n, *rest = round_fn(view.root, view.L, view.active, accept_u, expo, chain.drafts, q,
+                                    *self.temp, *self.proc, *self.kv)
+        return self._result(tokens, n, rest)
+
+    def tree(self, view: RoundView, tree: TreeProposal) -> RoundResult:
+        B, (N, C, _), dev, f = self.B, tree.shape, self.device, self.fast
+        if self.params.greedy:
+            accept_u, expo = torch.zeros(B, N, C, device=dev), torch.ones(B, N, 1, device=dev)
+        else:
+            accept_u, expo = tree_noise(B, N, C, view.vocab, dev, self.generator)
+        round_fn = f._tree_round_fn(B, self.params, view.width, tree.shape, self.extras)
+        tokens, n, path_nodes, *rest = round_fn(view.root, view.L, view.active, accept_u, expo, tree.tokens,
+                                                tree.parents, *self.temp, *self.proc, *self.kv)
+        if f.draft == "model":  # the draft cache holds the fed tree nodes at their tree slots too
+            f._compact_fn(B, "draft")(view.L, path_nodes, n, view.active, *f.kv_cache(B, "draft"))
+        return self._result(tokens, n, rest)
+
+    def _result(self, tokens, n, rest) -> RoundResult:
+        """The round's outputs after (tokens, n): scores (2), log-probabilities (3), the head's feed."""
+        scores, rest = (rest[:2], rest[2:]) if self.extras.scores else (None, rest)
+        logprobs, rest = (rest[:3], rest[3:]) if self.extras.logprobs >= 0 else (None, rest)
+        hidden = rest[0] if self.fast.learned is not None else None
+        return RoundResult(tokens, n, hidden, (scores, logprobs))
+
+    def record(self, result: RoundResult, state: CallRows, kept: list[list[int]], adv: list[int]) -> None:
+        """The kept tokens' scores and log-probabilities into the call's log; the logits
+        processors' view of each row grows by the tokens it keeps."""
+        scores, logprobs = result.extra
+        if self.score_log is not None:
+            for b, keep in enumerate(kept):
+                if not keep:
+                    continue
+                if scores is not None:
+                    self.score_log.add(b, scores[0][b, :len(keep)].cpu(), scores[1][b, :len(keep)].cpu())
+                if logprobs is not None:
+                    self.score_log.add_logprobs(b, *(t[b, :len(keep)].cpu() for t in logprobs))
+        if self.proc:
+            seq, meta = self.proc
+            S = self.fast.slots
+            pos, write = advanced_slots(state.L, result.tokens, torch.tensor(adv, device=self.device))
+            ppos = torch.where(write, pos + meta[:, :1], 2 * S - 1)
+            seq.scatter_(1, ppos, torch.where(write, result.tokens, seq[:, 2 * S - 1:]))

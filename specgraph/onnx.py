@@ -1,17 +1,17 @@
 """Run graphs written by :func:`specgraph.export_onnx` with onnxruntime: ``OnnxSpecGenerator``.
 
-The generation loop is the compiler's (:meth:`specgraph.SpecGraphModel.generate`) with the round
-function replaced by the exported graphs: prompts are written into the cache by the prefill graph
-``C`` tokens per call (and into the draft model's cache by ``draft_prefill_c{C}``); then every round
-asks the compiled loop's own proposers (:mod:`specgraph.proposers`, through the interface of
-:mod:`specgraph.proposal`, with the exported settings) for drafts, runs one graph, reads the emitted
-tokens (the one host sync per round) and advances the committed lengths:
+The generation loop is the compiler's own (:func:`specgraph.loop.decode`) with
+:class:`OnnxRounds` as its executor: prompts are written into the cache by the prefill graph ``C``
+tokens per call (and into the draft model's cache by ``draft_prefill_c{C}``); then every round asks
+the compiled loop's own proposers (:mod:`specgraph.proposers`, through the interface of
+:mod:`specgraph.proposal`, with the exported settings) for drafts, runs one exported graph, reads the
+emitted tokens (the one host sync per round) and advances the committed lengths:
 
 * chains (``draft=None``, ``"ngram"``, ``"suffix"`` with ``tree=None``): prompt lookup
   (:func:`specgraph.lookup.ngram_propose`) or the suffix index's best path
   (:func:`specgraph.proposers.suffix.suffix_chains`, :func:`specgraph.proposers.suffix.suffix_chain_drafts`);
   ``verify_k{k}`` when some live row has a proposal, else the plain ``verify_k0`` step; prompt
-  lookup moves k along the compiler's depth ladder (:func:`specgraph.compiler.next_k`, e.g. 4 -> 8
+  lookup moves k along the compiler's depth ladder (:func:`specgraph.loop.next_k`, e.g. 4 -> 8
   after a fully accepted round), suffix chains take the smallest exported depth that holds them.
 * trees: prompt-lookup tries on the static tree (:func:`specgraph.proposers.ngram.propose_ngram_tree`) or
   per-request suffix trees packed into the smallest exported shape
@@ -47,8 +47,9 @@ import torch
 
 from specgraph.artifacts import ArtifactError, check_listed, safe_path, verify_files
 from specgraph.callrows import CallRows
-from specgraph.compiler import assemble_output, eos_and_pad, next_k, one_call, prompt_rows
-from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundOutcome, RoundView
+from specgraph.compiler import assemble_output, eos_and_pad, one_call, prompt_rows
+from specgraph.loop import LadderDepth, RoundResult, decode
+from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundView, TreeProposal
 from specgraph.proposers import NgramProposer, SuffixProposer
 from specgraph.proposers.suffix import SUFFIX_MIN_SCORE
 from specgraph.eager import GenerationStats
@@ -156,7 +157,7 @@ class OnnxSpecGenerator:
         self._lock = threading.RLock()  # suffix sessions and stats are per call: one generate at a time
         self.stats = GenerationStats()
         # what the proposers read of a compiled object: the chain ladder and the deepest round
-        self.k_ladder, self._plain = self._ladder()
+        self.k_ladder, self.plain_depth = self._ladder()
         self.k = self.tree["depth_limit"] if self.tree is not None and self.tree["kind"] == "dynamic" \
             else self.num_speculative_tokens
         self.proposer = self._make_proposer()
@@ -181,7 +182,7 @@ class OnnxSpecGenerator:
         names = [o.name for o in sess.get_outputs()]
         return dict(zip(names, sess.run(names, feeds)))
 
-    def _new_kv(self, cache: str = "target"):
+    def new_kv(self, cache: str = "target"):
         """Two sets of zero-filled buffers (past, present) for ``cache`` ("target" or "draft")."""
         info = self._caches[cache]
         make = self._ort.OrtValue.ortvalue_from_numpy
@@ -190,7 +191,7 @@ class OnnxSpecGenerator:
         self._kv_host[cache] = host
         return [[make(a, self.device, 0) for a in bufs] for bufs in host]
 
-    def _call(self, name: str, inputs: dict, kv: list, fetch=("tokens", "num_emitted"), cache: str = "target"):
+    def call(self, name: str, inputs: dict, kv: list, fetch=("tokens", "num_emitted"), cache: str = "target"):
         """Run ``name`` with IO binding: kv[0] in, kv[1] out, then swap. Returns the fetched outputs."""
         sess = self.session(name)
         info = self._caches[cache]
@@ -292,7 +293,7 @@ class OnnxSpecGenerator:
             raise ValueError(f"no usable graph: draft={self.draft!r}, depths={self.depths}")
         return ladder, plain
 
-    def _prefill(self, rows, kv, cache: str = "target"):
+    def prefill(self, rows, kv, cache: str = "target"):
         B, C = self.batch_size, self.manifest["prefill_chunk"]
         name = f"prefill_c{C}" if cache == "target" else f"draft_prefill_c{C}"
         P = max(len(r) for r in rows) - 1
@@ -303,7 +304,7 @@ class OnnxSpecGenerator:
                 part = r[c0: min(len(r) - 1, c0 + C)]
                 ids[b, : len(part)] = part
                 nv[b] = len(part)
-            self._call(name, {"input_ids": ids, "start": np.full(B, c0, dtype=np.int64), "num_valid": nv}, kv,
+            self.call(name, {"input_ids": ids, "start": np.full(B, c0, dtype=np.int64), "num_valid": nv}, kv,
                        fetch=(), cache=cache)
 
     def _make_proposer(self) -> Proposer:
@@ -318,77 +319,75 @@ class OnnxSpecGenerator:
             return SuffixProposer(self, self._suffix_min_score)
         return Proposer()
 
-    def _chain(self, view: RoundView, k_now: int | None) -> ChainProposal:
-        """This round's chain: the proposer's at depth ``k_now``, else a plain step; an export
-        without the plain graph verifies the root repeated at its smallest depth instead (all
-        rejected: one token, as a plain step)."""
-        chain = self.proposer.propose(view, k_now) if k_now is not None else None
-        if chain is None and self._plain != 0:
-            chain = ChainProposal(self._plain, view.root.unsqueeze(1).repeat(1, self._plain))
-        return chain or ChainProposal(0, view.hist[:, :0])
-
     def _loop(self, rows, max_new_tokens, mode, temperature, eos, generator, uniforms):
-        n_rows, B, S, V = len(rows), self.batch_size, self.slots, self.vocab
-        sample = mode == "sample"
-        params = SamplingParams(temperature if sample else 0.0)
-        ladder = self.k_ladder
-        k_now = ladder[0] if ladder else None
         start_t = time.perf_counter()
-        kv = self._new_kv("target")
-        self._prefill(rows, kv)
-        state = CallRows.start(rows, B, S, "cpu")  # the compiled loop's row state
-        self.proposer.start(CallStart(rows, B, torch.device("cpu")))
-
-        def stop(b, emitted, room):
-            return stop_at(emitted, room, eos)
-        temp = np.full(B, temperature, dtype=np.float32)
-        while not all(state.done):
-            live = state.live
-            view = RoundView(B, params, S, state.hist, state.L, state.root, torch.tensor(live), generator, V)
-            tree = self.proposer.propose_tree(view) if self.tree is not None else None
-            inputs = {"root": state.root.numpy(), "L": state.L.numpy(), "active": view.active.numpy()}
-            chain_depth = None
-            if tree is not None:
-                N, C, D = tree.shape
-                inputs.update(tree_tokens=tree.tokens.numpy(), parents=tree.parents.numpy())
-                name = tree_graph_name(tree.shape, sample)
-                if sample:
-                    accept_u, expo = tree_noise(B, N, C, V, "cpu", generator)
-                    inputs.update(accept_u=_np(accept_u), expo=_np(expo), temperature=temp)
-                k, depth = tree.drafted, D
-            else:
-                chain = self._chain(view, k_now)
-                k = depth = chain_depth = chain.k
-                if k > 0:
-                    inputs["drafts"] = chain.drafts.numpy()
-                if chain.probs is not None:
-                    inputs["draft_probs"] = _np(chain.probs)
-                name = f"verify_k{k}"
-                if sample:
-                    name += "_sample"
-                    accept_u, expo = (uniforms or (lambda b, kk, v: chain_noise(b, kk, v, "cpu", generator)))(B, k, V)
-                    if k > 0:
-                        inputs["accept_u"] = _np(accept_u)
-                    inputs["expo"] = _np(expo)
-                    inputs["temperature"] = temp
-            outs = self._call(name, inputs, kv)
-            tokens_t, n_t = torch.from_numpy(outs["tokens"]), torch.from_numpy(outs["num_emitted"])
-            n_h = outs["num_emitted"].tolist()
-            self.stats.rounds += 1
-            if ladder and chain_depth is not None:
-                k_now = next_k(ladder, k_now, chain_depth, [n_h[b] for b in range(n_rows) if live[b]])
-            kept = [[] for _ in range(B)]
-            for b in range(n_rows):
-                if not live[b]:
-                    continue
-                kept[b] = state.keep(b, tokens_t[b, : n_h[b]].tolist(), max_new_tokens, eos, stop)
-                self.stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(kept[b]), depth)
-            self.proposer.observe(view, RoundOutcome(tokens_t, n_t, None, n_h, live, kept, chain_depth))
-            state.end_when_all_finished()
-            state.commit(tokens_t, state.advances(n_h))
+        kv = self.new_kv("target")
+        self.prefill(rows, kv)
+        state = CallRows.start(rows, self.batch_size, self.slots, "cpu")  # the compiled loop's row state
+        self.proposer.start(CallStart(rows, self.batch_size, torch.device("cpu")))
+        sample = mode == "sample"
+        rounds = OnnxRounds(self, kv, sample, temperature, generator, uniforms)
+        decode(state, self.proposer, rounds, LadderDepth(self.k_ladder),
+               params=SamplingParams(temperature if sample else 0.0), generator=generator, vocab=self.vocab,
+               trees=self.tree is not None, max_new_tokens=max_new_tokens, eos=eos,
+               stop=lambda b, emitted, room: stop_at(emitted, room, eos), stats=self.stats)
         self.stats.seconds += time.perf_counter() - start_t
         self.proposer.finish(rows, state.new)
         return state.new
+
+
+class OnnxRounds:
+    """The exported round graphs as :func:`specgraph.loop.decode` runs them, on one call's
+    cache ``kv``: ``verify_k{k}[_sample]`` for chains, the tree shape's graph for trees, over all
+    exported slots. An export without the plain graph runs a plain step as its smallest depth
+    with the root repeated as drafts (all rejected: one token, as a plain step)."""
+
+    def __init__(self, gen: OnnxSpecGenerator, kv, sample: bool, temperature: float, generator, uniforms=None):
+        self.gen, self.kv, self.sample, self.generator = gen, kv, sample, generator
+        self.temp = np.full(gen.batch_size, temperature, dtype=np.float32)
+        self.noise = uniforms or (lambda b, k, v: chain_noise(b, k, v, "cpu", generator))
+
+    def width(self, state: CallRows) -> int:
+        return self.gen.slots
+
+    def chain(self, view: RoundView, chain: ChainProposal) -> RoundResult:
+        plain = self.gen.plain_depth
+        if chain.k == 0 and plain != 0:
+            chain = ChainProposal(plain, view.root.unsqueeze(1).repeat(1, plain))
+        k = chain.k
+        inputs = self._inputs(view)
+        if k > 0:
+            inputs["drafts"] = chain.drafts.numpy()
+        if chain.probs is not None:
+            inputs["draft_probs"] = _np(chain.probs)
+        name = f"verify_k{k}"
+        if self.sample:
+            name += "_sample"
+            accept_u, expo = self.noise(view.batch, k, view.vocab)
+            if k > 0:
+                inputs["accept_u"] = _np(accept_u)
+            inputs.update(expo=_np(expo), temperature=self.temp)
+        return self._run(name, inputs)
+
+    def tree(self, view: RoundView, tree: TreeProposal) -> RoundResult:
+        N, C, _ = tree.shape
+        inputs = self._inputs(view)
+        inputs.update(tree_tokens=tree.tokens.numpy(), parents=tree.parents.numpy())
+        if self.sample:
+            accept_u, expo = tree_noise(view.batch, N, C, view.vocab, "cpu", self.generator)
+            inputs.update(accept_u=_np(accept_u), expo=_np(expo), temperature=self.temp)
+        return self._run(tree_graph_name(tree.shape, self.sample), inputs)
+
+    def record(self, result: RoundResult, state: CallRows, kept, adv) -> None:
+        pass
+
+    @staticmethod
+    def _inputs(view: RoundView) -> dict:
+        return {"root": view.root.numpy(), "L": view.L.numpy(), "active": view.active.numpy()}
+
+    def _run(self, name: str, inputs: dict) -> RoundResult:
+        outs = self.gen.call(name, inputs, self.kv)
+        return RoundResult(torch.from_numpy(outs["tokens"]), torch.from_numpy(outs["num_emitted"]))
 
 
 class OnnxDraftModelProposer(Proposer):
@@ -402,8 +401,8 @@ class OnnxDraftModelProposer(Proposer):
         self.gen, self.kv = gen, None
 
     def start(self, call: CallStart) -> None:
-        self.kv = self.gen._new_kv("draft")
-        self.gen._prefill(call.rows, self.kv, "draft")
+        self.kv = self.gen.new_kv("draft")
+        self.gen.prefill(call.rows, self.kv, "draft")
 
     def propose(self, view: RoundView, k: int) -> ChainProposal:
         """K draft-model steps: drafts [B, K] and, when sampling, the q rows [B, K, V]."""
@@ -419,7 +418,7 @@ class OnnxDraftModelProposer(Proposer):
             if sample:
                 inputs["expo"] = _np(exponential_noise((B, V), "cpu", view.generator))  # the compiler's draw order
                 inputs["temperature"] = temp
-            outs = gen._call(f"draft_q{Q}" + ("_sample" if sample else ""), inputs, self.kv,
+            outs = gen.call(f"draft_q{Q}" + ("_sample" if sample else ""), inputs, self.kv,
                              fetch=("token", "q") if sample else ("token",), cache="draft")
             tok = torch.from_numpy(outs["token"])
             drafts.append(tok)

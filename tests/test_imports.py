@@ -19,7 +19,7 @@ LAYERS = [
     ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset",
               "processors", "generation", "templates", "lookup", "packing",
               "kernels", "passes"}),
-    ("engine", {"compiler", "callrows", "eager", "packages", "proposal", "timing"}),
+    ("engine", {"compiler", "callrows", "eager", "loop", "packages", "proposal", "timing"}),
     ("drafters", {"drafters", "suffix", "heads", "learned", "proposers"}),
     ("policy", {"adaptive", "planner"}),
     ("api", {"api", "graphcache", "buildworker"}),

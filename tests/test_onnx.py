@@ -376,8 +376,8 @@ def test_broken_prefill_breaks_greedy_equality(llama, monkeypatch):
     chunk changes the output)."""
     ids, mask = left_pad(ROWS_2)
     ref = llama.model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=PAD)
-    orig = OnnxSpecGenerator._prefill
-    monkeypatch.setattr(OnnxSpecGenerator, "_prefill", lambda self, rows, kv: orig(self, [r[:17] for r in rows], kv))
+    orig = OnnxSpecGenerator.prefill
+    monkeypatch.setattr(OnnxSpecGenerator, "prefill", lambda self, rows, kv: orig(self, [r[:17] for r in rows], kv))
     out = llama.generator().generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=PAD)
     assert not torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
