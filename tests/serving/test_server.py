@@ -28,7 +28,9 @@ def served(char_tokenizer):
     model = tiny_model()
     tok = char_tokenizer()
     tok.chat_template = CHAT
-    fast = specgraph.compile(model, "ngram", max_batch_size=4, max_seq_len=512, warmup=False)
+    # eager rounds: this file tests the server (HTTP, OpenAI semantics, queueing, cancellation); the
+    # engine on compiled graphs is served in test_engine (graph cache) and test_serve_dir (a directory)
+    fast = specgraph.compile(model, "ngram", max_batch_size=4, max_seq_len=512, backend="eager")
     engine = ServingEngine(fast, max_queue=8, prefill_chunk=16, max_logprobs=3)
     engine.warmup(progress=False)
     live = Live(create_app(engine, tok, "tiny"))
