@@ -197,7 +197,7 @@ class DepthPolicy:
         """A drafted round feeds the draft the tokens at positions L-1 and L; every position before
         L-1 must already be in its cache. After plain rounds some are not: write them with one
         eager step of the draft (like the prompt prefill), then the round proceeds as usual."""
-        from specgraph.compiler import prefill_logits
+        from specgraph.rounds import prefill_logits
 
         fast = self.fast
         gaps = [(b, self._draft_valid[b] + 1, L_host[b] - 2) for b in range(self.n_rows)

@@ -25,7 +25,7 @@ Inductor settings (single-threaded elementwise kernels on CPU; GEMMs use torch's
 Sampling rounds take the temperature as an input (logits / temperature, then the warp at
 temperature 1 with top-k / top-p / min-p baked in; the JIT path does the same): one package serves
 every temperature. The prefill package is the captured step at query length C with the
-causal-by-position mask the compiler's eager prefill uses (:func:`specgraph.compiler.prefill_logits`).
+causal-by-position mask the compiler's eager prefill uses (:func:`specgraph.rounds.prefill_logits`).
 
 KV caches. Rounds write K/V into the cache tensors in place (``index_put_``). AOTInductor keeps
 in-place mutation of user inputs (the tests compare the cache after a packaged round with the

@@ -521,7 +521,7 @@ class EagleDrafter(_HeadDrafter):
     def _prefill_head(self, B, rows, prefill_hidden, lens, device):
         """Head positions 0 .. T - 3 of each prompt: (token p + 1, target feature p); position T - 2
         is the first round's feed. Eager, like the target's prefill (no compile per prompt length)."""
-        from specgraph.compiler import step_mask
+        from specgraph.rounds import step_mask
 
         P = int(lens.max()) - 2
         if P <= 0 or prefill_hidden is None:
@@ -541,7 +541,7 @@ class EagleDrafter(_HeadDrafter):
     def _feed_step(self, feed_tokens, feed_feats, feed_start, feed_n, active, hk, hv):
         """The feed step (see the module doc): returns the head's output at the last fed row, the
         predicted target feature at the root's position [B, H]."""
-        from specgraph.compiler import step_mask
+        from specgraph.rounds import step_mask
 
         B, F = feed_tokens.shape
         S = self.slots
@@ -564,7 +564,7 @@ class EagleDrafter(_HeadDrafter):
         key = ("eagle_chain", B, params)
         fns = self.sg._fns
         if key not in fns:
-            from specgraph.compiler import step_mask
+            from specgraph.rounds import step_mask
 
             K, S, head = self.sg.k, self.slots, self.head
 
@@ -609,7 +609,7 @@ class EagleDrafter(_HeadDrafter):
         key = ("eagle_tree", B)
         fns = self.sg._fns
         if key not in fns:
-            from specgraph.compiler import tree_mask
+            from specgraph.rounds import tree_mask
 
             S, head, spec = self.slots, self.head, self.sg.tree
             levels = self.sg.tree_levels
@@ -659,7 +659,7 @@ class EagleDrafter(_HeadDrafter):
         key = ("eagle_dyn_tree", B)
         fns = self.sg._fns
         if key not in fns:
-            from specgraph.compiler import tree_mask
+            from specgraph.rounds import tree_mask
 
             S, head, k, D = self.slots, self.head, self.topk, self.sg.k
             Nd = self.tree_nodes - 1

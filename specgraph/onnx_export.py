@@ -5,7 +5,7 @@
 * ``verify_k{k}.onnx`` (greedy) and ``verify_k{k}_sample.onnx`` (sampling) for each chain depth
   ``k``: the captured, pass-rewritten target step (:func:`specgraph.capture.capture_step` +
   :func:`specgraph.passes.run_step_pipeline`, the graph ``specgraph.compile`` runs) wrapped in the
-  compiler's own chain round (:func:`specgraph.compiler.chain_round`, the one every compiled object
+  compiler's own chain round (:func:`specgraph.rounds.chain_round`, the one every compiled object
   runs): ids, positions, write slots and the additive mask are built in the graph from
   ``root``/``L``/``active``, then the chain is verified in the graph by
   :func:`specgraph.verify.verify_chain_with_noise`.
@@ -14,8 +14,8 @@
   per node, depth at most D: the static tree's, or the suffix shapes 5 and 17 nodes), the round of
   :meth:`SpecGraphModel._tree_round_fn`: the topology is an input (``parents``), depth / ancestors /
   per-row children are built in the graph (:func:`specgraph.trees.tree_buffers`), then the tree
-  mask (``compiler.tree_mask``), the step, :func:`specgraph.verify.verify_tree_with_noise` and the
-  KV compaction of the accepted path (``compiler.compact_path``) on the output copies of the cache.
+  mask (``rounds.tree_mask``), the step, :func:`specgraph.verify.verify_tree_with_noise` and the
+  KV compaction of the accepted path (``rounds.compact_path``) on the output copies of the cache.
   Plus ``verify_k0``: the plain step taken when the drafter proposed nothing.
 * a draft model (``specgraph.compile(target, draft=<smaller model>)``, chains): ``draft_q2`` /
   ``draft_q1`` (+ ``_sample``), the draft step of :meth:`SpecGraphModel.draft_graph` on the draft's
@@ -93,7 +93,7 @@ from pathlib import Path
 import torch
 
 from specgraph.capture import capture_step, kv_layout, layer_windows, new_kv_cache
-from specgraph.compiler import chain_round, compact_path, draft_logits, prefill_logits, scaled_logits, tree_logits
+from specgraph.rounds import chain_round, compact_path, draft_logits, prefill_logits, scaled_logits, tree_logits
 from specgraph.proposers.ngram import NGRAM_MAX, NGRAM_MIN
 from specgraph.proposers.suffix import SUFFIX_CHILDREN, SUFFIX_MIN_SCORE, SUFFIX_TREE_SIZES
 from specgraph.passes import run_step_pipeline
@@ -123,7 +123,7 @@ def kv_names(num_layers: int, prefix: str) -> list[str]:
 
 
 class VerifyRound(torch.nn.Module):
-    """One verification round: the compiler's chain round (:func:`specgraph.compiler.chain_round`)
+    """One verification round: the compiler's chain round (:func:`specgraph.rounds.chain_round`)
     over the whole cache, as a module with flat inputs.
 
     Inputs (flat): root, L, active, [drafts if k > 0], [draft_probs if use_q], [accept_u if k > 0
@@ -177,9 +177,9 @@ class TreeRound(torch.nn.Module):
 
     The tree's topology is an input (``parents``), so one graph serves every tree of its shape
     (N nodes, at most C children per node, depth at most D): depth, ancestors and per-row children
-    come from :func:`specgraph.trees.tree_buffers`, the mask from ``compiler.tree_mask``, then
+    come from :func:`specgraph.trees.tree_buffers`, the mask from ``rounds.tree_mask``, then
     :func:`specgraph.verify.verify_tree_with_noise` and the KV compaction of the accepted path
-    (``compiler.compact_path``), applied to the output copies of the cache.
+    (``rounds.compact_path``), applied to the output copies of the cache.
 
     Inputs (flat): root, L, active, tree_tokens, parents, [accept_u, expo, temperature if
     sampling], *kv.  Outputs: tokens, num_emitted, path_nodes, logits, *new kv.

@@ -21,7 +21,8 @@ import torch
 
 from specgraph.artifacts import ArtifactError
 from specgraph.capture import Step, new_kv_cache
-from specgraph.compiler import RoundExtras, SpecGraphModel, inductor_settings, kernel_threads, prefill_logits
+from specgraph.compiler import RoundExtras, SpecGraphModel, inductor_settings, kernel_threads
+from specgraph.rounds import prefill_logits
 from specgraph.graphset import GraphSpec, example_inputs
 from specgraph.warping import SamplingParams
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import specgraph
 import specgraph.compiler as sg_compiler
+import specgraph.rounds as sg_rounds
 from specgraph.capture import capture_step, new_kv_cache
 from specgraph.passes import run_step_pipeline, safe_dce_pass, tree_attention_pass
 
@@ -275,7 +276,7 @@ def _hide_in_step_ancestors(orig):
     """A broken mask: queries do not see the earlier tokens of their own step (root / previous drafts)."""
     def broken(L, q_pos, valid, S, window):
         m = orig(L, q_pos, valid, S, window)
-        s = sg_compiler.slot_index(S, L.device)  # S: an int, or the round's attended-slots input
+        s = sg_rounds.slot_index(S, L.device)  # S: an int, or the round's attended-slots input
         tree = (s >= L.view(-1, 1, 1)) & (s < q_pos.unsqueeze(-1))
         return m.masked_fill(tree.unsqueeze(1), NEG)
     return broken
@@ -285,7 +286,7 @@ def _hide_last_committed(orig):
     """Off-by-one in the committed length: slot L-1 is hidden from every query."""
     def broken(L, q_pos, valid, S, window):
         m = orig(L, q_pos, valid, S, window)
-        s = sg_compiler.slot_index(S, L.device)  # S: an int, or the round's attended-slots input
+        s = sg_rounds.slot_index(S, L.device)  # S: an int, or the round's attended-slots input
         return m.masked_fill((s == L.view(-1, 1, 1) - 1).unsqueeze(1), NEG)
     return broken
 
@@ -297,7 +298,7 @@ def test_broken_mask_breaks_greedy_equality(monkeypatch, breakage):
     ref = hf_generate(model, ids, mask)
     fast = specgraph.compile(model, "ngram", backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
     assert torch.equal(sg_generate(fast, ids, mask), ref)  # control: the real mask
-    monkeypatch.setattr(sg_compiler, "step_mask", breakage(sg_compiler.step_mask))
+    monkeypatch.setattr(sg_rounds, "step_mask", breakage(sg_rounds.step_mask))
     out = sg_generate(fast, ids, mask)  # same captured graphs; only the mask input differs
     assert out.shape == ref.shape
     assert not torch.equal(out, ref), f"{breakage.__name__} went unnoticed"
@@ -586,7 +587,8 @@ def test_broken_tree_round_breaks_greedy_equality(monkeypatch, breakage):
     fast = specgraph.compile(model, model, tree=TREE, backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
     assert torch.equal(sg_generate(fast, ids, mask), ref)  # control
     name = "tree_mask" if breakage is _siblings_visible else "compact_path"
-    monkeypatch.setattr(sg_compiler, name, breakage(getattr(sg_compiler, name)))
+    for module in (sg_rounds, sg_compiler):  # the target's round, and the draft model's tree steps
+        monkeypatch.setattr(module, name, breakage(getattr(sg_rounds, name)))
     fast = specgraph.compile(model, model, tree=TREE, backend="eager", max_batch_size=4, max_seq_len=MAX_SEQ)
     out = sg_generate(fast, ids, mask)
     assert out.shape == ref.shape
@@ -665,7 +667,7 @@ def test_use_graphs_serves_rounds_and_prefill_from_the_given_graphs(llama):
 
     def prefill(ids, pos, valid, *kv):
         prefills.append(tuple(ids.shape))
-        sg_compiler.prefill_logits(donor._eager_step, ids, pos, valid, kv, fast.slots, fast.window)
+        sg_rounds.prefill_logits(donor._eager_step, ids, pos, valid, kv, fast.slots, fast.window)
 
     fast = specgraph.compile(llama, backend="eager", max_batch_size=1, max_seq_len=64)
     fast.use_graphs(Graphs(), prefill=prefill)
@@ -688,7 +690,7 @@ def test_cache_fill_step_writes_the_same_cache_without_the_prompt_logits(llama):
     for step in (Step(llama), fast._fill_step):
         kv = [torch.zeros_like(t) for t in fast.kv_cache(2)]
         with torch.no_grad():
-            outs.append(sg_compiler.prefill_logits(step, ids, pos, valid, kv, fast.slots, fast.window, hidden=True))
+            outs.append(sg_rounds.prefill_logits(step, ids, pos, valid, kv, fast.slots, fast.window, hidden=True))
         caches.append(kv)
     assert all(torch.equal(a, b) for a, b in zip(*caches))
     (full, feats), (last, none) = outs

@@ -21,7 +21,7 @@ from transformers.generation.streamers import BaseStreamer, TextStreamer
 import specgraph
 from heads_for_tests import random_head
 from law import gof_pvalue
-import specgraph.compiler as sg_compiler
+import specgraph.rounds as sg_rounds
 from specgraph.generation import UnsupportedSetting
 from specgraph.proposers.draft_model import DraftModelProposer
 from specgraph.warping import warped_probs
@@ -345,7 +345,7 @@ def test_negative_control_processors_on_the_committed_prefix_only_are_rejected(s
     def committed_only(drafts):
         B, K = drafts.shape
         return drafts.unsqueeze(1).expand(B, K + 1, K), torch.zeros(B, K + 1, dtype=torch.long)
-    monkeypatch.setattr(sg_compiler, "chain_paths", committed_only)
+    monkeypatch.setattr(sg_rounds, "chain_paths", committed_only)
     kw, procs = LAW_SETTINGS["repetition_penalty"]
     fast = specgraph.compile(sharp, sharp, num_speculative_tokens=2, backend="eager", max_batch_size=BATCH,
                              max_seq_len=32)
@@ -355,7 +355,7 @@ def test_negative_control_processors_on_the_committed_prefix_only_are_rejected(s
 
 def test_negative_control_greedy(monkeypatch):
     """The greedy matrix fails too when the drafted path is hidden from the processors."""
-    monkeypatch.setattr(sg_compiler, "chain_paths", lambda d: (d.unsqueeze(1).expand(d.shape[0], d.shape[1] + 1, d.shape[1]),
+    monkeypatch.setattr(sg_rounds, "chain_paths", lambda d: (d.unsqueeze(1).expand(d.shape[0], d.shape[1] + 1, d.shape[1]),
                                                               torch.zeros(d.shape[0], d.shape[1] + 1, dtype=torch.long)))
     model = tiny_model("llama")
     fast = compile_fast(model, "llama", "self")

@@ -16,7 +16,7 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "specgraph"
 
 LAYERS = [
-    ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset",
+    ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset", "rounds",
               "processors", "generation", "templates", "lookup", "packing",
               "kernels", "passes"}),
     ("engine", {"compiler", "callrows", "eager", "loop", "packages", "proposal", "timing"}),

@@ -454,7 +454,7 @@ def test_tree_graph_matches_compiler_tree_round(ngram_tree):
         logits = torch.from_numpy(out["logits"])
         # the graph's logits against the same step run by torch (the compiler's tree round computes them inside)
         step = fast._step(B, N)
-        from specgraph.compiler import tree_logits
+        from specgraph.rounds import tree_logits
         want_logits = tree_logits(step, root, L, active, tree_tokens, parents, C, [x.clone() for x in kv], S, S, fast.window)[0]
         assert (logits - want_logits).abs().max() < 1e-4, trial
         children = tree_buffers(parents, C)[2]

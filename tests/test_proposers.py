@@ -161,15 +161,15 @@ def test_negative_control_a_round_that_emits_its_drafts_unverified_is_caught(lla
     fast = specgraph.compile(llama, "ngram", num_speculative_tokens=4, backend="eager", max_batch_size=1,
                              max_seq_len=64, cache=False)
     fast.proposer = RandomDrafts(128)
-    import specgraph.compiler as sg_compiler
+    import specgraph.rounds as sg_rounds
 
-    real = sg_compiler.verify_chain_with_noise
+    real = sg_rounds.verify_chain_with_noise
 
     def accept_all(logits, q, drafts, *args, **kw):  # every draft accepted, then the target's next token
         tokens, n, *more = real(logits, q, drafts, *args, **kw)
         K = drafts.shape[1]
         return (torch.cat([drafts, logits[:, K].argmax(-1, keepdim=True)], 1), torch.full_like(n, K + 1), *more)
-    monkeypatch.setattr(sg_compiler, "verify_chain_with_noise", accept_all)
+    monkeypatch.setattr(sg_rounds, "verify_chain_with_noise", accept_all)
     out = fast.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=[], pad_token_id=0)
     assert not torch.equal(out, ref)
 
