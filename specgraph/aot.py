@@ -80,6 +80,7 @@ from specgraph.capture import kv_layout
 from specgraph.compiler import SpecGraphModel, resolve_attention, resolve_autotune
 from specgraph.graphset import GraphSpec, MODES, Progress, batch_buckets
 from specgraph.graphset import plan as plan_graph_set
+from specgraph.limits import resolve_max_seq_len
 from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key, width_range
 from specgraph.warping import SamplingParams, check_sampling_params, normalize_filters
 
@@ -91,6 +92,7 @@ ONNX_SUBDIR = "onnx"
 FORMATS = ("pt2", "onnx")
 # what an AOTInductor package may contain (anything else, e.g. pickled weights, is refused)
 _ISA_ORDER = ["DEFAULT", "AVX2", "AVX512"]
+DIR_MAX_SEQ_LEN = 1024  # a directory's max_seq_len unless given (capped at the model's maximum positions)
 PREFILL_CHUNK = 16  # prompt tokens per prefill package call (the last chunk is padded)
 WEIGHTS_FILE = "model.safetensors"
 EXTRA_CONSTANTS_FILE = "extra_constants.safetensors"
@@ -163,7 +165,7 @@ def compile_dir(
     depths=None,
     tree=None,
     max_batch_size: int = 1,
-    max_seq_len: int = 1024,
+    max_seq_len: int | None = None,
     formats=("pt2",),
     modes=MODES,
     top_k="model",
@@ -188,6 +190,8 @@ def compile_dir(
             the compiler's ladder for K. Depth 0 (a plain step) is always compiled.
         tree: as in :func:`specgraph.compile` (static trees of paths with ``"ngram"``, ``"dynamic"``
             with ``"suffix"``); greedy tree rounds are packaged.
+        max_seq_len: the longest prompt + new tokens served (default: 1024, or the model's maximum
+            positions when smaller; above that maximum it is refused).
         formats: ``"pt2"`` (AOTInductor packages) and/or ``"onnx"`` (:func:`specgraph.export_onnx`:
             chains, static prompt-lookup trees and suffix decoding, chains or dynamic trees).
         modes: ``"greedy"`` and/or ``"sample"`` graphs; ``top_k`` / ``top_p`` / ``min_p`` are baked
@@ -333,7 +337,8 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
 
     top_vocab = model.get_output_embeddings().weight.shape[0]
     fast = specgraph.compile(model, draft, num_speculative_tokens=num_speculative_tokens, tree=tree, backend="eager",
-                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, warmup=False,
+                             max_batch_size=max_batch_size,
+                             max_seq_len=resolve_max_seq_len(model, max_seq_len, default=DIR_MAX_SEQ_LEN), warmup=False,
                              attention=resolve_attention("auto", model, "inductor"))  # the JIT's attention
     default = fast.default_sampling()
     top_k, top_p, min_p = (default.top_k if top_k == "model" else top_k, default.top_p if top_p == "model" else top_p,
@@ -428,7 +433,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
             "k_ladder": list(fast.k_ladder) if draft is not None else [],
             "tree": _tree_json(tree),
             "max_batch_size": max_batch_size,
-            "max_seq_len": max_seq_len,
+            "max_seq_len": fast.max_seq_len,
             "slots": fast.slots,
             "batch_buckets": batch_buckets(max_batch_size),
             "width": dict(zip(("min", "max"), width_range(fast))),

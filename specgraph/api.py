@@ -17,7 +17,7 @@ def compile(
     tree=None,
     backend: str = "inductor",
     max_batch_size: int = 8,
-    max_seq_len: int = 2048,
+    max_seq_len: int | None = None,
     freeze: bool = True,
     depths=None,
     plan=None,
@@ -41,6 +41,11 @@ def compile(
     bound to ``model``. EAGLE takes ``tree=None``, a static tree or ``"dynamic"`` (EAGLE-2 style);
     Medusa a chain or a static tree. ``backend="eager"``
     runs the same rewritten graphs without torch.compile.
+
+    ``max_seq_len``: the longest prompt + new tokens a row holds (its static KV cache has that
+    many slots, plus one). None (default): 2048, or the model's maximum positions when smaller;
+    a value above the model's maximum is refused, and so is a KV cache (``max_batch_size`` rows)
+    larger than the memory available now (:mod:`specgraph.limits`), with the numbers.
 
     ``warmup`` (default True): build every graph ``generate`` can ask for before returning
     (:meth:`SpecGraphModel.warmup`, with a progress bar on stderr unless ``progress=False``):

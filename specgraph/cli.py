@@ -202,13 +202,18 @@ def _load_model_reporting(name, args=None, *, dtype=None, device=None):
     return model, tok
 
 
-def _seq_bucket(need: int) -> int:
+def _seq_bucket(need: int, model) -> int:
     """``max_seq_len`` for a request needing ``need`` slots: the next power of two, at least 1024,
-    so that prompts of different lengths share one compiled graph set (and graph cache entry)."""
+    so that prompts of different lengths share one compiled graph set (and graph cache entry);
+    capped at the model's maximum positions when ``need`` fits under them (else ``need``, which
+    ``specgraph.compile`` refuses, saying the maximum)."""
+    from specgraph.limits import max_positions
+
     n = 1024
     while n < need:
         n *= 2
-    return n
+    limit = max_positions(model)
+    return n if limit is None else max(min(n, limit[1]), need)
 
 
 def _timed(fn):
@@ -373,7 +378,7 @@ def _generate_jit(args) -> int:
         fast, build_s = _timed(lambda: specgraph.compile(
             model, draft, num_speculative_tokens=K, tree=args.tree, backend=backend,
             autotune="auto" if args.autotune is None else args.autotune, max_batch_size=1,
-            max_seq_len=_seq_bucket(ids.shape[1] + args.max_new_tokens + max(K, 64) + 2),
+            max_seq_len=_seq_bucket(ids.shape[1] + args.max_new_tokens + max(K, 64) + 2, model),
             modes=("sample",) if sample else ("greedy",), progress=not getattr(args, "quiet", False)))
     except HeadMismatchError as e:  # no trained head for this model: a fact about the files here
         _die(str(e), 1)
@@ -649,7 +654,7 @@ def cmd_compile(args, formats=None) -> int:
         _die("--tree dynamic needs --draft suffix")
     if draft == "suffix" and args.tree not in (None, "dynamic"):
         _die("--draft suffix builds its own trees: use --tree dynamic or no --tree")
-    if args.max_seq_len < 2 or args.max_batch_size < 1:
+    if (args.max_seq_len is not None and args.max_seq_len < 2) or args.max_batch_size < 1:
         _die("--max-seq-len must be >= 2 and --max-batch-size >= 1")
     from pathlib import Path
 
@@ -698,7 +703,7 @@ def _speculation_arg(value: str, args):
 
 
 # `specgraph serve MODEL` defaults of the flags a compiled directory fixes (DIR: its manifest's values)
-SERVE_DEFAULTS = {"draft": "ngram", "num_speculative_tokens": 4, "max_batch_size": 16, "max_seq_len": 2048,
+SERVE_DEFAULTS = {"draft": "ngram", "num_speculative_tokens": 4, "max_batch_size": 16, "max_seq_len": None,
                   "modes": ("greedy", "sample")}
 
 
@@ -850,7 +855,8 @@ def cmd_bench(args) -> int:
         model, tok = _load_model_reporting(args.model, args, dtype=dtype, device=device)
         backend = args.backend or "inductor"
         _progress(args, f"building the greedy graphs ({backend}) ...")
-        jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=1024, backend=backend, modes=("greedy",),
+        jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=_seq_bucket(2, model), backend=backend,
+                                modes=("greedy",),
                                 progress=not getattr(args, "quiet", False))
         methods[f"specgraph ngram K=4 (JIT{', eager' if backend == 'eager' else ''})"] = jit
         settings = {"source": "model", "draft": "ngram", "num_speculative_tokens": jit.k, "backend": backend,
@@ -858,7 +864,8 @@ def cmd_bench(args) -> int:
 
         def check(n_prompt, n_new):
             if n_prompt + n_new + jit.span > jit.max_seq_len:
-                raise ValueError(f"prompt ({n_prompt} tokens) + --max-new-tokens {n_new} does not fit max_seq_len=1024")
+                raise ValueError(f"prompt ({n_prompt} tokens) + --max-new-tokens {n_new} does not fit "
+                                 f"max_seq_len={jit.max_seq_len}")
     eos = model.generation_config.eos_token_id
     pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else eos
     if isinstance(pad, list):
@@ -1002,7 +1009,9 @@ def _add_compile_flags(c, onnx_only=False):
     if not onnx_only:
         c.add_argument("--format", type=lambda v: _csv(v, "--format", ("pt2", "onnx")), default=["pt2"],
                        metavar="pt2,onnx", help="pt2 (AOTInductor packages) and/or onnx")
-    c.add_argument("--max-seq-len", type=int, default=1024, help="longest prompt + new tokens (+ K + 1) served")
+    c.add_argument("--max-seq-len", type=int, default=None,
+                   help="longest prompt + new tokens (+ K + 1) served (default: 1024, or the model's maximum positions "
+                        "when smaller)")
     c.add_argument("--max-batch-size", type=int, default=1, help="most rows per generate call")
     if not onnx_only:
         c.add_argument("--freeze", action="store_true",
@@ -1200,7 +1209,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto: each round's depth from the load and the rows' acceptance; off: plain rounds on the "
                          "same graphs; K: every round with a prompt-lookup match at depth K")
     sv.add_argument("--max-batch-size", type=int, default=None, help="rows decoded together (16; requests beyond wait)")
-    sv.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + max_tokens (+ K + 1) served (2048)")
+    sv.add_argument("--max-seq-len", type=int, default=None,
+                    help="longest prompt + max_tokens (+ K + 1) served (default: 2048, or the model's maximum "
+                         "positions when smaller)")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row before 429 answers")
     sv.add_argument("--prefix-cache-mb", type=int, default=512, metavar="MB",
                     help="memory for the KV of prompt prefixes already seen (shared system prompts, repeated "

@@ -31,6 +31,7 @@ from specgraph.capture import (Step, UnsupportedModel, capture_step, check_suppo
                                new_kv_cache, uses_alibi)
 from specgraph.eager import GenerationStats as Stats
 from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
+from specgraph.limits import check_kv_fits, resolve_max_seq_len
 from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set, with_logits
 from specgraph.generation import (GenerationRequest, ScoreLog, StepStreamer, UnsupportedSetting, inferred_attention_mask,
                                   resolve, stop_at)
@@ -358,8 +359,10 @@ def engine_config(model, draft: Draft, num_speculative_tokens, tree, backend, ma
             raise ValueError("tree_nodes= sizes EAGLE-2 dynamic trees: it needs an EAGLE head and tree='dynamic'")
         if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
             raise ValueError(f"tree_nodes must be a positive int or 'auto', got {tree_nodes!r}")
-    if max_batch_size < 1 or max_seq_len < 2:
-        raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+    max_seq_len = resolve_max_seq_len(model, max_seq_len)
+    check_kv_fits(model, draft_model, max_batch_size, max_seq_len + 1)  # + the scratch slot (EngineConfig.slots)
     if model.training:
         raise ValueError("put the model in eval mode first (model.eval())")
     kind = draft.kind

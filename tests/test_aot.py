@@ -37,7 +37,7 @@ from specgraph.artifacts import ArtifactError
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024)
 MAX_SEQ = 64
 PERIODIC = [17, 64, 3, 88, 25, 9, 41]
 

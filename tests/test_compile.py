@@ -33,7 +33,7 @@ NEG = float("-inf")
 # Tiny configs: 2 layers, hidden 64, vocab 128 (GQA where the architecture has it).
 TINY = dict(
     llama=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256),
+               num_key_value_heads=2, vocab_size=128, max_position_embeddings=2048),
     mistral=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256),
     qwen2=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -30,7 +30,7 @@ from specgraph.passes.gqa import gqa_fold_pass
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated:FutureWarning")
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=8192)
 NEG = float("-inf")
 
 

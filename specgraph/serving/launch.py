@@ -15,7 +15,7 @@ class ServeConfig:
     draft: str | None = "ngram"
     num_speculative_tokens: int = 4
     max_batch_size: int = 16
-    max_seq_len: int = 2048
+    max_seq_len: int | None = None  # None: 2048, or the model's maximum positions when smaller
     max_queue: int = 256
     max_logprobs: int | None = None
     request_timeout: float = 600.0
