@@ -393,6 +393,7 @@ class ServingEngine:
             for h in [h for h in self.queue if h.cancelled]:
                 self.queue.remove(h)
                 h.sink(Event(finish="cancelled"))
+                self.stats.finished["cancelled"] += 1
         for i in reversed(range(len(self.rows))):
             if self.rows[i].handle.cancelled:
                 self.rows[i].handle.sink(Event(finish="cancelled"))

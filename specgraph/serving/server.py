@@ -19,30 +19,68 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
 import time
 import uuid
 
 from specgraph.serving.engine import EngineStopped, Event, QueueFull, ServeRequest, ServingEngine
+from specgraph.serving.guard import LOCAL_HOSTS, Guard, error_body, error_bytes
 from specgraph.serving.text import TextTracker
 
 REQUEST_TIMEOUT = 600.0  # seconds from arrival to the last token
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default
+# a prompt (or the messages' text) of more characters than this many per token of max_seq_len is
+# refused before it is tokenized: no tokenizer makes tokens of 32 characters on average, so such
+# a prompt could not fit anyway, and tokenizing it would only cost time
+PROMPT_CHARS_PER_TOKEN = 32
+BODY_BYTES_PER_CHAR = 8  # a body may spell each prompt character as a JSON escape (6 bytes: \uXXXX) ...
+BODY_EXTRA_BYTES = 1 << 20  # ... plus the other fields
+MAX_STOPS = 16  # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 1000  # each round looks for the stop strings in this many characters before its new text
 
-# fields OpenAI clients send by default or with neutral values, which the engine honours as sent
-NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "logit_bias": None,
-           "suffix": None, "user": None, "stream_options": None, "tools": None, "tool_choice": None,
-           "response_format": None, "parallel_tool_calls": None, "service_tier": None, "store": None,
-           "metadata": None}
+# fields that do not change the output: accepted and ignored, whatever their value
+IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options"}
+# fields whose neutral values (what OpenAI clients send by default) the engine honours as sent;
+# other values would change the output law and are refused
+NEUTRAL = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "echo": (False,),
+           "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+           "response_format": ({"type": "text"},)}
 
 
 class RequestError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
 
-def _error_body(message: str, kind: str, param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def _is_neutral(value, neutrals: tuple) -> bool:
+    """Whether ``value`` is None or one of ``neutrals``, of the same JSON type (``true`` is not 1,
+    ``0`` is not ``false``)."""
+    def kind(v):
+        return "bool" if isinstance(v, bool) else "number" if isinstance(v, (int, float)) else type(v).__name__
+    return value is None or any(kind(value) == kind(n) and value == n for n in neutrals)
+
+
+def _flag(body: dict, name: str) -> bool:
+    """A boolean field (absent or null: false)."""
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise RequestError(400, f"{name} must be a boolean, got {v!r}", param=name)
+    return v
+
+
+def _text_chars(x) -> int:
+    """Characters in the strings of a JSON value (keys included)."""
+    if isinstance(x, str):
+        return len(x)
+    if isinstance(x, dict):
+        return sum(_text_chars(k) + _text_chars(v) for k, v in x.items())
+    if isinstance(x, list):
+        return sum(_text_chars(v) for v in x)
+    return 0
 
 
 FILTER_HINT = "start it with {flag} {value}"  # a server of a model: the filters are serve flags
@@ -53,9 +91,12 @@ class OpenAIServer:
     """Request parsing, generation and response shapes; :func:`create_app` mounts it on FastAPI."""
 
     def __init__(self, engine: ServingEngine, tokenizer, model_name: str, *, request_timeout: float = REQUEST_TIMEOUT,
-                 filter_hint: str = FILTER_HINT):
+                 filter_hint: str = FILTER_HINT, max_prompt_chars: int | None = None):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.request_timeout = request_timeout
+        # longest prompt string, or total text of a request's messages, that is tokenized
+        self.max_prompt_chars = (max_prompt_chars if max_prompt_chars is not None
+                                 else PROMPT_CHARS_PER_TOKEN * engine.fast.max_seq_len)
         self.filter_hint = filter_hint  # how to serve another top-k / top-p / min-p: {flag} {value}
         gc = engine.fast.model.generation_config
         eos = gc.eos_token_id if gc.eos_token_id is not None else tokenizer.eos_token_id
@@ -67,19 +108,36 @@ class OpenAIServer:
 
     def _check_fields(self, body: dict, allowed: set[str]) -> None:
         for name, value in body.items():
-            if name in allowed:
+            if name in allowed or name in IGNORED:
                 continue
             if name in NEUTRAL:
-                if value in (NEUTRAL[name], None) or (name == "stream_options" and isinstance(value, dict)):
+                if _is_neutral(value, NEUTRAL[name]):
                     continue
+                only = " or ".join(repr(v) for v in NEUTRAL[name])
                 raise RequestError(400, f"{name}={value!r} is not supported by specgraph serve "
-                                        f"(only {NEUTRAL[name]!r}): it would change the output law", param=name)
+                                        f"(only {only}): it would change the output law", param=name)
             raise RequestError(400, f"unknown field {name!r}", param=name)
+
+    def _check_model(self, body: dict) -> None:
+        """``model`` names the served model. It may be left out (OpenAI requires it; one model is
+        served, so there is nothing to choose)."""
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(400, f"model must be a string, got {model!r}", param="model")
+        if model is not None and model != self.model_name:
+            raise RequestError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+                               param="model", code="model_not_found")
+
+    def _check_prompt_chars(self, n: int, param: str) -> None:
+        if n > self.max_prompt_chars:
+            raise RequestError(400, f"the {param} has {n} characters; this server tokenizes at most "
+                                    f"{self.max_prompt_chars} (max_seq_len={self.engine.fast.max_seq_len} tokens)",
+                               param=param, code="context_length_exceeded")
 
     def _sampling(self, body: dict) -> tuple[float, int | None]:
         t = body.get("temperature")
         t = 1.0 if t is None else t  # OpenAI's default
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or t < 0:
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise RequestError(400, f"temperature must be a number >= 0, got {t!r}", param="temperature")
         baked = self.engine.sampling
         for name, want, neutral in (("top_p", baked.top_p, 1.0), ("top_k", baked.top_k, -1), ("min_p", baked.min_p, 0.0)):
@@ -101,8 +159,10 @@ class OpenAIServer:
         if stop is None:
             return []
         stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
-            raise RequestError(400, "stop must be a string or a list of at most 16 strings", param="stop")
+        if (not isinstance(stop, list) or len(stop) > MAX_STOPS
+                or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stop)):
+            raise RequestError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings, each of at "
+                                    f"most {MAX_STOP_CHARS} characters", param="stop")
         return stop
 
     def _max_tokens(self, body: dict, names: tuple[str, ...], prompt_len: int) -> int:
@@ -122,7 +182,11 @@ class OpenAIServer:
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
         if isinstance(p, str):
-            return self.tok(p, add_special_tokens=True).input_ids
+            self._check_prompt_chars(len(p), "prompt")
+            try:
+                return self.tok(p, add_special_tokens=True).input_ids
+            except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take (a lone surrogate) is the client's
+                raise RequestError(400, f"the prompt cannot be tokenized: {type(e).__name__}: {e}", param="prompt") from e
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             return p
         raise RequestError(400, "prompt must be a string, a list of token ids, or a list holding one of them "
@@ -134,7 +198,12 @@ class OpenAIServer:
             raise RequestError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
         if not getattr(self.tok, "chat_template", None):
             raise RequestError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
-        out = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        self._check_prompt_chars(_text_chars(msgs), "messages")
+        try:
+            out = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - the template's error on these messages (or their text's)
+            raise RequestError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                               param="messages") from e
         ids = out["input_ids"] if not isinstance(out, list) else out
         return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
@@ -142,12 +211,15 @@ class OpenAIServer:
         common = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                   "min_p", "seed", "stop", "stream", "logprobs", "top_logprobs", "ignore_eos"}
         self._check_fields(body, common)
+        self._check_model(body)
+        _flag(body, "stream")
+        ignore_eos = _flag(body, "ignore_eos")
         ids = self.chat_prompt(body) if chat else self.completion_prompt(body)
         temperature, seed = self._sampling(body)
         stop = self._stop(body)
         n_top = None
         if chat:
-            if body.get("logprobs"):
+            if _flag(body, "logprobs"):
                 n_top = body.get("top_logprobs") or 0
         elif body.get("logprobs") is not None:
             n_top = body["logprobs"]
@@ -156,9 +228,20 @@ class OpenAIServer:
         text = TextTracker(self.tok, stop)
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         req = ServeRequest(ids, self._max_tokens(body, names, len(ids)), temperature, seed,
-                           eos=() if body.get("ignore_eos") else self.eos, stop=text.stop_cut if stop else None,
+                           eos=() if ignore_eos else self.eos, stop=text.stop_cut if stop else None,
                            logprobs=n_top)
         return req, text, n_top
+
+    async def parse(self, body: dict, chat: bool) -> tuple[ServeRequest, TextTracker, int | None]:
+        """:meth:`build` in a worker thread: tokenizing a long prompt, or rendering a chat
+        template, does not hold up the event loop (other requests' streams, /health). Client input
+        that fails in a way :meth:`build` does not name is still the client's: a 400."""
+        try:
+            return await asyncio.to_thread(self.build, body, chat)
+        except RequestError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise RequestError(400, f"the request cannot be read: {type(e).__name__}: {e}") from e
 
     # ------------------------------------------------------------------------------------------
     # generation
@@ -191,6 +274,8 @@ class OpenAIServer:
                     if is_disconnected is not None and await is_disconnected():
                         return
                     continue
+                if is_disconnected is not None and await is_disconnected():
+                    return
                 if first and ev.tokens:
                     first = False
                     self.ttft.append(time.perf_counter() - arrived)
@@ -224,7 +309,7 @@ class OpenAIServer:
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, (lp, top) in zip(ids, lps)]}
 
     async def complete(self, body: dict, chat: bool, is_disconnected=None) -> dict:
-        req, text, n_top = self.build(body, chat)
+        req, text, n_top = await self.parse(body, chat)
         ids, lps, finish = [], [], None
         async for ev in self.events(req, is_disconnected):
             ids += ev.tokens
@@ -249,7 +334,7 @@ class OpenAIServer:
     async def stream(self, body: dict, chat: bool, is_disconnected=None):
         """Server-sent events: one chunk per round that released text, then ``[DONE]``. Errors
         after the first chunk are sent as an ``error`` event (the status line is gone by then)."""
-        req, text, n_top = self.build(body, chat)
+        req, text, n_top = await self.parse(body, chat)
         rid, created = uuid.uuid4().hex, int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": obj, "created": created,
@@ -287,7 +372,7 @@ class OpenAIServer:
                         break
                     ev = await events.__anext__()
             except RequestError as e:
-                yield f"data: {json.dumps(_error_body(e.message, e.kind))}\n\n"
+                yield f"data: {json.dumps(error_body(e.message, e.kind, e.param, e.code))}\n\n"
             except StopAsyncIteration:
                 return
             finally:
@@ -302,6 +387,10 @@ class OpenAIServer:
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "specgraph", "max_model_len": self.engine.fast.max_seq_len}]}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 async def _empty():
@@ -368,14 +457,26 @@ def metrics_text(server: OpenAIServer) -> bytes:
 
 
 def create_app(engine: ServingEngine, tokenizer, model_name: str, *, request_timeout: float = REQUEST_TIMEOUT,
-               filter_hint: str = FILTER_HINT):
+               filter_hint: str = FILTER_HINT, api_key: str | None = None, allowed_hosts=LOCAL_HOSTS,
+               max_prompt_chars: int | None = None, max_body_bytes: int | None = None):
     """The FastAPI app. Its lifespan starts the engine's scheduler and, at shutdown, stops it:
     requests still queued or running then get an error (503), none hangs. ``filter_hint``: what a
-    400 for an unserved top-k / top-p / min-p tells the client to do ({flag}, {value})."""
+    400 for an unserved top-k / top-p / min-p tells the client to do ({flag}, {value}).
+
+    ``api_key``: the key ``/v1`` routes require (``Authorization: Bearer``), None for none.
+    ``allowed_hosts``: the host names the Host header may carry (any port; None: any host); the
+    default is the loopback names. ``max_prompt_chars``: the longest prompt string (or total
+    text of the messages) tokenized; default ``PROMPT_CHARS_PER_TOKEN`` per token of
+    ``max_seq_len``. ``max_body_bytes``: the largest request body read; default
+    ``BODY_BYTES_PER_CHAR`` bytes per prompt character plus ``BODY_EXTRA_BYTES``."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
 
-    server = OpenAIServer(engine, tokenizer, model_name, request_timeout=request_timeout, filter_hint=filter_hint)
+    server = OpenAIServer(engine, tokenizer, model_name, request_timeout=request_timeout, filter_hint=filter_hint,
+                          max_prompt_chars=max_prompt_chars)
+    if max_body_bytes is None:
+        max_body_bytes = BODY_BYTES_PER_CHAR * server.max_prompt_chars + BODY_EXTRA_BYTES
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -387,14 +488,49 @@ def create_app(engine: ServingEngine, tokenizer, model_name: str, *, request_tim
 
     app = FastAPI(title="specgraph", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(Guard, hosts=allowed_hosts, api_key=api_key)
 
     def error(e: RequestError):
-        return JSONResponse(_error_body(e.message, e.kind, e.param), status_code=e.status)
+        return Response(error_bytes(e.message, e.kind, e.param, e.code), status_code=e.status,
+                        media_type="application/json")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown routes, wrong methods
+        return Response(error_bytes(str(e.detail), code=str(e.status_code)), status_code=e.status_code,
+                        headers=e.headers, media_type="application/json")
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception):  # a fault of the server's, not the request's
+        return Response(error_bytes(f"internal error: {type(e).__name__}", kind="server_error"), status_code=500,
+                        media_type="application/json")
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused (413) past ``max_body_bytes`` before more of it is read."""
+        too_big = RequestError(413, f"the request body is larger than this server reads ({max_body_bytes} bytes)",
+                               code="request_too_large")
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
+            raise too_big
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def body_of(request: Request) -> dict:
+        """The JSON object of a POST: ``Content-Type: application/json`` only (415 otherwise: a
+        browser sends a cross-site POST without asking the server first only for the form and
+        text types)."""
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";", 1)[0].strip().lower() != "application/json":
+            raise RequestError(415, f"the body must be sent as Content-Type: application/json, not {ctype!r}",
+                               param="Content-Type", code="unsupported_media_type")
+        raw = await read_body(request)
         try:
-            body = await request.json()
-        except ValueError as e:
+            body = await asyncio.to_thread(json.loads, raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:
             raise RequestError(400, f"the body is not JSON: {e}") from e
         if not isinstance(body, dict):
             raise RequestError(400, "the body must be a JSON object")
@@ -403,7 +539,7 @@ def create_app(engine: ServingEngine, tokenizer, model_name: str, *, request_tim
     async def handle(request: Request, chat: bool):
         try:
             body = await body_of(request)
-            if body.get("stream"):
+            if _flag(body, "stream"):
                 gen = await server.stream(body, chat, request.is_disconnected)
                 return StreamingResponse(gen, media_type="text/event-stream")
             out = await server.complete(body, chat, request.is_disconnected)
