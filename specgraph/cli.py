@@ -731,6 +731,18 @@ def _serve_dir_settings(args) -> dict:
     return {**have, "modes": args.modes or have["modes"]}
 
 
+def _serve_guard_settings(args) -> dict:
+    """ServeConfig's api_key, allowed_hosts and max_prompt_chars from the serve flags."""
+    from specgraph.serving.guard import default_hosts
+
+    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
+        _die("--max-prompt-chars must be >= 1")
+    hosts = args.allowed_hosts if args.allowed_hosts is not None else default_hosts(args.host)
+    return {"api_key": args.api_key or os.environ.get("SPECGRAPH_API_KEY") or None,
+            "allowed_hosts": None if hosts is None or "*" in hosts else hosts,
+            "max_prompt_chars": args.max_prompt_chars}
+
+
 def cmd_serve(args) -> int:
     from specgraph.serving.launch import ServeConfig
 
@@ -752,7 +764,7 @@ def cmd_serve(args) -> int:
                       served_model_name=args.served_model_name, modes=settings["modes"], threads=args.threads,
                       progress=not args.quiet, speculation=_speculation_arg(args.speculation, args),
                       prefix_cache_mb=args.prefix_cache_mb, refine=args.refine, attention=args.attention or "auto",
-                      packed_prefill=not args.eager_prefill)
+                      packed_prefill=not args.eager_prefill, **_serve_guard_settings(args))
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -1201,6 +1213,16 @@ def build_parser() -> argparse.ArgumentParser:
                                       "directory; prompt lookup or plain decoding, with a tokenizer)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind")
     sv.add_argument("--port", type=int, default=8000, help="port to bind")
+    sv.add_argument("--api-key", default=None, metavar="KEY",
+                    help="the key /v1 routes require (Authorization: Bearer KEY; default: $SPECGRAPH_API_KEY, else "
+                         "none); /health and /metrics stay open")
+    sv.add_argument("--allowed-hosts", type=lambda v: tuple(h for h in v.split(",") if h), default=None,
+                    metavar="HOST,...",
+                    help="host names the Host header may carry, any port; * for any (default: --host and localhost, "
+                         "127.0.0.1, ::1; any host when --host binds every interface)")
+    sv.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                    help="longest prompt (or messages' text) tokenized, in characters; longer ones get a 400 "
+                         "before tokenizing (default: 32 per token of --max-seq-len)")
     sv.add_argument("--draft", default=None, choices=["ngram", "none"],
                     help="drafter: prompt lookup (default), or none (plain decoding); the depth of each round follows "
                          "the load")

@@ -34,6 +34,9 @@ class ServeConfig:
     refine: str = "auto"  # specgraph.compile's refine: when the graphs of batch buckets above 1 are built
     attention: str = "auto"  # specgraph.compile's attention: "block_sparse" (CPU default) or "sdpa"
     packed_prefill: bool = True  # specgraph.compile's packed_prefill: prompt chunks through a compiled graph
+    api_key: str | None = None  # the key /v1 routes require (Authorization: Bearer); None: none
+    allowed_hosts: tuple[str, ...] | None = ("localhost", "127.0.0.1", "::1")  # Host header names; None: any
+    max_prompt_chars: int | None = None  # longest prompt tokenized (None: 32 characters per token of max_seq_len)
 
 
 def _say(cfg: ServeConfig, msg: str) -> None:
@@ -89,7 +92,8 @@ def build_server(cfg: ServeConfig, compiled=None):
     warm = engine.warmup(cfg.modes, progress=cfg.progress)
     name = cfg.served_model_name or cfg.model
     app = create_app(engine, tok, name, request_timeout=cfg.request_timeout,
-                     filter_hint=FILTER_HINT if compiled is None else DIR_FILTER_HINT)
+                     filter_hint=FILTER_HINT if compiled is None else DIR_FILTER_HINT, api_key=cfg.api_key,
+                     allowed_hosts=cfg.allowed_hosts, max_prompt_chars=cfg.max_prompt_chars)
     report = {"load_seconds": round(t_load, 2), "compile_seconds": round(t_compile, 2),
               "engine_seconds": warm["seconds"], "graphs": warm["graphs"], "graph_cache": fast.graph_cache,
               "startup_seconds": round(time.perf_counter() - t0, 2)}
