@@ -52,7 +52,9 @@ opened or a weight used (a truncated or modified file is refused with its name);
 torch / specgraph / transformers versions must equal the running ones; the CPU must support the
 instruction set the packages were built for; the model must have the manifest's fingerprint
 (configuration + embedding weights + dtype). The hashes are an integrity check, not a signature
-(see :mod:`specgraph.artifacts`).
+(see :mod:`specgraph.artifacts`); so a directory, or a file of it, that every local user can
+write is refused (whoever can rewrite a file can rewrite the manifest too). Other owners and
+group write access are allowed: pointing specgraph at a shared directory trusts its writers.
 
 Compiler hooks used: :meth:`SpecGraphModel.use_graphs` (round lookups answered by packages, the
 prompt prefill by the chunked prefill package) and :meth:`SpecGraphModel.set_depths` (the chain
@@ -74,7 +76,7 @@ import torch
 
 from specgraph.artifacts import (
     ArtifactError, FileVerifier, check_listed, check_versions, cpu_capability, file_entry, fingerprint_mismatch,
-    model_fingerprint, safe_path, verify_files, versions,
+    model_fingerprint, safe_path, verify_files, versions, writable_by_others,
 )
 from specgraph.capture import kv_layout
 from specgraph.compiler import SpecGraphModel, resolve_attention, resolve_autotune
@@ -827,7 +829,8 @@ def load_dir(
         missing: what a request for a shape the directory lacks does: ``"error"`` (raise) or
             ``"jit"`` (compile it with torch.compile on first use, with a warning; builds the HF model).
         check_files: check every file's size and sha256 before it is opened or parsed (default;
-            the weights hash on a thread of their own while the tokenizer loads).
+            the weights hash on a thread of their own while the tokenizer loads), after refusing a
+            directory that every local user can write (:func:`check_writers`).
         background_weights_check: deprecated, warns and has no effect: the weights are always
             checked before they are mapped (so :meth:`LoadedDir.wait_verified` returns at once).
     """
@@ -846,6 +849,8 @@ def load_dir(
         raise ArtifactError(f"{d}: no AOTInductor packages (formats {man.get('formats')}); use the ONNX runtime")
     files = man["files"]
     needed = [f for f in files if not f.startswith(ONNX_SUBDIR + "/")]
+    if check_files:
+        check_writers(d, [MANIFEST, *needed])
     # every file is checked before it is opened or parsed: the weights (most of the bytes) on one
     # thread, the rest on another, so the tokenizer loads while the weights are still hashing
     weights = [man["model"]["weights"]] if man["model"].get("weights") in needed else []
@@ -923,6 +928,17 @@ def load_dir_for_serving(path) -> tuple:
         raise ArtifactError(f"{path}: the directory holds no tokenizer (compile it with one to serve it)")
     s = loaded.manifest["settings"]["sampling"]
     return loaded.fast, loaded.tokenizer, SamplingParams(1.0, s["top_k"], s["top_p"], s["min_p"])
+
+
+def check_writers(d: Path, names) -> None:
+    """Refuse compiled directory ``d`` when it, a folder of it or one of its files ``names`` is
+    writable by every local user: its sha256s would check nothing (the manifest can be rewritten
+    too)."""
+    paths = [safe_path(d, n) for n in names]
+    for p in [d, *sorted({p.parent for p in paths} - {d}), *paths]:
+        why = writable_by_others(p, modes=0o002, follow_symlinks=True) if p.exists() else None
+        if why is not None:
+            raise ArtifactError(f"{p} is {why}: any local user could have replaced it; refusing to load it (chmod o-w)")
 
 
 def load_hf_model(path):

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import threading
 from pathlib import Path
 
 
 __all__ = [
     "ArtifactError", "sha256_file", "file_entry", "safe_path", "check_listed", "verify_files", "FileVerifier", "versions",
+    "writable_by_others",
     "check_versions", "model_fingerprint", "fingerprint_mismatch", "canonical_config",
 ]
 
@@ -100,6 +103,25 @@ def verify_files(root, files: dict, names=None) -> None:
                                 "recompile the directory")
         if sha256_file(f) != info["sha256"]:
             raise ArtifactError(f"{f}: sha256 does not match the manifest (file modified); recompile the directory")
+
+
+def writable_by_others(path, owners=None, modes: int = 0o022, follow_symlinks: bool = False) -> str | None:
+    """Why someone else than ``owners`` may have written ``path`` (None when no one could), the
+    check ssh makes of its keys: ``path`` is a symbolic link (unless ``follow_symlinks``), is
+    owned by a uid not in ``owners`` (None: any owner), or has a write bit of ``modes`` (0o020:
+    group, 0o002: others). None where files have no POSIX owner (Windows)."""
+    if not hasattr(os, "geteuid"):
+        return None
+    st = os.stat(path) if follow_symlinks else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if owners is not None and st.st_uid not in owners:
+        return f"owned by uid {st.st_uid}"
+    if st.st_mode & modes & 0o020:
+        return "writable by group"
+    if st.st_mode & modes & 0o002:
+        return "writable by others"
+    return None
 
 
 class FileVerifier:

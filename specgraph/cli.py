@@ -789,10 +789,15 @@ def cmd_cache(args) -> int:
 
     root = graphcache.cache_root(args.dir)
     if args.clear:
-        print(f"removed {graphcache.clear(args.dir) / 2**20:.0f} MiB of cached graphs from {root}")
+        done = graphcache.clear(args.dir)
+        for path, why in done.skipped:
+            print(f"skipped {path}: {why}")
+        print(f"removed {len(done.removed)} cache entries ({done.freed / 2**20:.0f} MiB) from {root}" if done.removed
+              else f"no specgraph cache entries in {root}: nothing removed")
         return 0
-    rows = graphcache.entries(args.dir)
-    print(f"{root}: {len(rows)} folders, {sum(r['bytes'] for r in rows) / 2**20:.0f} MiB")
+    rows, ignored = graphcache.entries(args.dir), graphcache.others(args.dir)
+    print(f"{root}: {len(rows)} entries, {sum(r['bytes'] for r in rows) / 2**20:.0f} MiB"
+          + (f" ({len(ignored)} other items, not specgraph cache entries, ignored)" if ignored else ""))
     for r in rows:
         print(f"  {os.path.basename(r['path'])}  {r['model_type']} {r['dtype']} torch {r['torch']}  "
               f"{r['bytes'] / 2**20:.0f} MiB  {', '.join(r['graphs'])}")
@@ -1270,11 +1275,16 @@ def build_parser() -> argparse.ArgumentParser:
     gc = sub.add_parser(
         "cache", help="list (or --clear) the graph cache: the graphs specgraph.compile keeps on disk",
         description="List the graph cache (one folder per model and build settings, one AOTInductor package per "
-                    "graph), or remove it with --clear.",
+                    "graph), or remove its entries with --clear. An entry is a folder whose name is the digest of "
+                    "its own key.json (a graph-cache key); --clear removes those and nothing else: any other file "
+                    "or folder under DIR is left and reported as skipped, as is an entry another process is "
+                    "building.",
         epilog=_examples("specgraph cache", "specgraph cache --clear"))
     gc.add_argument("--dir", default=None, metavar="DIR",
                     help="cache root (default: $SPECGRAPH_GRAPH_CACHE, else ~/.cache/specgraph/graphs)")
-    gc.add_argument("--clear", action="store_true", help="remove every cached graph")
+    gc.add_argument("--clear", action="store_true",
+                    help="remove the cache's entries (only folders that are graph-cache entries; the rest is reported "
+                         "as skipped)")
     gc.set_defaults(func=cmd_cache)
 
     from specgraph import train as _train  # light: heavy imports happen inside the command

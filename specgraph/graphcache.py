@@ -58,6 +58,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -68,10 +69,12 @@ import warnings
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 from specgraph.capture import UnsupportedModel
 from specgraph.artifacts import (
     ArtifactError, canonical_config, cpu_capability, cpu_model, file_entry, verify_files, versions, weights_sha256,
+    writable_by_others,
 )
 from specgraph.freezing import weight_bytes
 from specgraph.graphset import MODES, Progress, packed_prefill_spec, with_dynamic_batch, with_logits, with_merged_modes
@@ -82,6 +85,9 @@ from specgraph.warping import SamplingParams
 FORMAT = "specgraph-graph-cache"
 FORMAT_VERSION = 4
 KEY_FILE = "key.json"
+KEY_FIELDS = ("format_version", "config", "dtype", "versions", "machine")  # in every key format so far
+KEY_MAX_BYTES = 1 << 20  # a key.json larger than this is no cache key
+LOCK_FILE = ".lock"  # an entry's build lock (filelock): one process builds an entry's graphs at a time
 ENV_ROOT = "SPECGRAPH_GRAPH_CACHE"
 DISK_MARGIN_BYTES = 1 << 30  # left free on the cache's disk
 ENV_HELPER = "SPECGRAPH_BUILD_HELPER"  # off: never build in a helper process; on: whenever possible
@@ -257,10 +263,29 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     t0 = time.perf_counter()
     key = entry_key(fast)
     digest = key_digest(key)
-    folder = cache_root(root) / digest
-    folder.mkdir(parents=True, exist_ok=True)
-    _sweep(folder)
-    _write_atomic(folder / KEY_FILE, json.dumps(key, indent=1, sort_keys=True) + "\n", keep=True)
+    folder = _own_folder(cache_root(root), digest)
+    if folder is None:
+        return None
+    lock = _acquire(folder, progress)
+    handed_over = False  # the lock goes with the background builds, released when they end
+    try:
+        _sweep(folder)
+        _write_key(folder, key)
+        info, work = _load_or_build_locked(fast, folder, digest, t0, modes, progress, logits, dynamic_batch,
+                                           merge_modes, refine, packed_prefill)
+        if work is not None and work.background:
+            work.helper.on_exit(lock.release)
+            handed_over = True
+        return info
+    finally:
+        if not handed_over:
+            lock.release()
+
+
+def _load_or_build_locked(fast, folder: Path, digest: str, t0: float, modes, progress: bool, logits,
+                          dynamic_batch: bool, merge_modes: bool, refine: str, packed_prefill: bool) -> tuple:
+    """:func:`load_or_build` in ``folder``, with its lock held: (its result, the build's
+    :class:`_Work` or None)."""
     plan = fast.graph_plan(modes)
     if logits is not None:
         plan = with_logits(plan, logits)
@@ -279,12 +304,12 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
         else:
             _register(fast, packages, g, pkg)
     if missing and not _room_for(fast, folder, sum(f for _, f in missing)):
-        return None
+        return None, None
     later = [m for m in missing if not _first(m[0])] if refine in ("auto", "background") else []
     if later and not _wants_helper(fast, missing):
         if refine == "background":
             warnings.warn("specgraph: no helper process can build this object's graphs (see SPECGRAPH_BUILD_HELPER); "
-                          "building every batch bucket's graphs now", stacklevel=3)
+                          "building every batch bucket's graphs now", stacklevel=4)
         later = []
     # the dynamic-batch graphs first (they serve the most buckets), plain steps first among them (what a loaded server runs)
     later.sort(key=lambda m: (m[0].kind == "packed", m[0].batches is None, m[0].depth))
@@ -303,7 +328,8 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     loaded = len({id(getattr(p, "package", p)) for p in packages.values()})
     return {"path": str(folder), "hit": not missing, "built": 0 if work is None else work.built,
             "helper_built": 0 if work is None else work.by_helper, "loaded": loaded, "refining": refining,
-            "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan), "seconds": round(time.perf_counter() - t0, 2)}
+            "frozen": sum(fast.graph_frozen.get(g.name, False) for g in plan),
+            "seconds": round(time.perf_counter() - t0, 2)}, work
 
 
 def _first(g) -> bool:
@@ -332,21 +358,126 @@ class RowSplit:
         return type(rows[0])(torch.cat(parts) for parts in zip(*rows))
 
 
-STALE_SECONDS = 3600  # a build's temporary files older than this belong to a process that died
+def _untrusted(path: Path, follow_symlinks: bool = False) -> str | None:
+    """Why ``path`` may hold what another local user wrote (None when only this user, or root,
+    could have): a symbolic link, owned by another uid, or writable by group or others."""
+    return writable_by_others(path, owners=(os.geteuid(),) if hasattr(os, "geteuid") else None,
+                              follow_symlinks=follow_symlinks)
+
+
+def _own_folder(root: Path, digest: str) -> Path | None:
+    """The entry folder ``root/digest``, created (with the root) readable by this user only when
+    missing; None, with a warning, when the root (a link to it is followed) or the folder may
+    hold what another local user wrote: its graphs are native code this process would load. An
+    entry made readable by others (by an older version) is made private (0700)."""
+    _private_dir(root)
+    place, why = root, _untrusted(root, follow_symlinks=True)
+    if why is None:
+        place = root / digest
+        _private_dir(place)
+        why = _untrusted(place)
+    if why is not None:
+        warnings.warn(f"specgraph: not using the graph cache at {place}: it is {why}, so another local user could "
+                      f"have planted graphs in it; compiling without the cache (set {ENV_ROOT} to a folder of your "
+                      "own, or fix its owner and mode: chown, chmod go-w)", stacklevel=4)
+        return None
+    if os.lstat(place).st_mode & 0o077:
+        os.chmod(place, 0o700)
+    return place
+
+
+def _private_dir(path: Path) -> None:
+    """Create folder ``path`` (its missing parents as the umask says) readable by this user only
+    (0700, whatever the umask); an existing folder is left as it is."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    os.chmod(path, 0o700)
+
+
+def _lock(folder: Path) -> FileLock:
+    """The build lock of entry ``folder``: one per process (reentrant, so a second build in the
+    same process, e.g. the processor rounds after the plain ones, does not wait for the first's
+    background builds), released from whichever thread ends the build."""
+    return FileLock(folder / LOCK_FILE, mode=0o600, thread_local=False, is_singleton=True)
+
+
+def _acquire(folder: Path, progress: bool) -> FileLock:
+    """Entry ``folder``'s build lock, held: waits while another process builds there (saying so)."""
+    lock = _lock(folder)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if progress:
+            print(f"specgraph: another process is building the graphs of {folder}; waiting for it", file=sys.stderr)
+        lock.acquire()
+    return lock
+
+
+def _entry_problem(path: Path) -> str | None:
+    """Why ``path`` is not a cache entry (None when it is): an entry is a folder, not a link,
+    whose ``key.json`` is a graph-cache key (a ``format_version`` and the fields every key
+    format has) and whose name is that key's digest."""
+    key_file = path / KEY_FILE
+    try:
+        if path.is_symlink() or not path.is_dir():
+            return "not a specgraph cache entry"
+        if key_file.is_symlink() or key_file.stat().st_size > KEY_MAX_BYTES:
+            return "not a specgraph cache entry (its key.json is not a cache key)"
+        key = json.loads(key_file.read_text())
+    except (OSError, ValueError):
+        return "not a specgraph cache entry (no readable key.json)"
+    if not isinstance(key, dict) or not isinstance(key.get("format_version"), int) or not set(KEY_FIELDS) <= key.keys():
+        return "not a specgraph cache entry (its key.json is not a cache key)"
+    if key_digest(key) != path.name:
+        return "not a specgraph cache entry (its name is not its key's digest)"
+    return None
+
+
+def _write_key(folder: Path, key: dict) -> None:
+    """``folder``'s key.json: kept when it is this user's and names the folder, else (re)written."""
+    if _entry_problem(folder) is not None or _untrusted(folder / KEY_FILE) is not None:
+        _write_atomic(folder / KEY_FILE, json.dumps(key, indent=1, sort_keys=True) + "\n")
+
+
+STALE_SECONDS = 3600  # a build's temporary files without a process id, older than this, belong to a process that died
+_OWNER_PID = re.compile(r"\.(?:build|helper-model|helper)-(\d+)-|\..*\.(\d+)\.tmp$")  # the writer's pid in a name
 
 
 def _sweep(folder: Path) -> None:
-    """Remove what killed builds left in ``folder``: stage folders (``.build-*``), a helper's model
-    copy and log (``.helper-*``), unrenamed files (``.*.tmp``), once older than STALE_SECONDS (a
-    build takes minutes; younger ones may be another process's, in progress)."""
+    """Remove what killed builds left in ``folder``: stage folders (``.build-<pid>-*``), a helper's
+    model copy and log (``.helper-model-<pid>-*``, ``.helper-<pid>-*.log``), unrenamed files
+    (``.*.<pid>.tmp``), once the process named in them is gone; names without a process id (left
+    by older versions) once older than STALE_SECONDS. Runs with the entry's lock held."""
     now = time.time()
     for p in [*folder.glob(".build-*"), *folder.glob(".helper-*"), *folder.glob(".*.tmp")]:
         try:
-            if now - p.stat().st_mtime < STALE_SECONDS:
+            if not _abandoned(p, now):
                 continue
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         except OSError:  # another process removed it first
             pass
+
+
+def _abandoned(path: Path, now: float) -> bool:
+    """Whether temporary file ``path`` belongs to no running build: the process its name carries
+    is gone, or (a name without one) it is older than STALE_SECONDS."""
+    m = _OWNER_PID.match(path.name)
+    if m is not None:
+        return not _alive(int(m.group(1) or m.group(2)))
+    return now - path.lstat().st_mtime >= STALE_SECONDS
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 def _register(fast, packages: dict, g, pkg: Package) -> None:
@@ -402,30 +533,44 @@ def _stem(g, frozen: bool) -> str:
     return g.name + (".frozen" if frozen else "")
 
 
-def _write_atomic(path: Path, text: str, keep: bool = False) -> None:
-    """Write ``path`` under a temporary name, then rename it (``keep``: leave an existing file)."""
-    if keep and path.exists():
-        return
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` readable by this user only (0600), under a temporary name, then rename it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    with _private_file(tmp) as f:
+        f.write(text)
     tmp.replace(path)
+
+
+def _private_file(path: Path):
+    """``path`` opened for writing (created, or truncated), readable by this user only (0600,
+    whatever the umask); a symbolic link there is not followed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    if hasattr(os, "fchmod"):
+        os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "w")
 
 
 def _open_cached(fast, folder: Path, g, frozen: bool, digest: str) -> Package | None:
     """The cached package of graph ``g`` (frozen or not), checked and opened; None when there is
-    none, or when it does not check out (it is then removed, with a warning)."""
+    none, or when it does not check out (it is then removed, with a warning): its record or
+    package is a link, another user's or writable by others, the record names another graph or
+    key, or the package is not the recorded size and sha256."""
     stem = _stem(g, frozen)
     record, package = folder / f"{stem}.json", folder / f"{stem}.pt2"
-    if not record.exists():
+    if not os.path.lexists(record):
         return None
     try:
+        for f in (record, package):
+            why = _untrusted(f) if os.path.lexists(f) else None
+            if why is not None:
+                raise ArtifactError(f"{f.name} is {why}")
         rec = json.loads(record.read_text())
         if rec.get("format") != FORMAT or rec.get("key") != digest or rec["spec"]["name"] != g.name:
             raise ArtifactError(f"{record.name} was recorded for another graph or key")
         verify_files(folder, {package.name: rec["file"]})
         return Package(package, model_tensors(fast.model), rec["spec"])
     except (ArtifactError, KeyError, OSError, ValueError, RuntimeError) as e:
-        warnings.warn(f"specgraph: cached graph {package} is not usable ({e}); rebuilding it", stacklevel=4)
+        warnings.warn(f"specgraph: cached graph {package} is not usable ({e}); rebuilding it", stacklevel=5)
         record.unlink(missing_ok=True)
         package.unlink(missing_ok=True)
         return None
@@ -438,7 +583,7 @@ def _room_for(fast, folder: Path, n_frozen: int) -> bool:
     if free < need:
         warnings.warn(f"specgraph: not caching the graphs: they need ~{need / 2**30:.1f} GB and {folder} has "
                       f"{free / 2**30:.1f} GB free (set {ENV_ROOT} elsewhere, or compile(..., cache=False))",
-                      stacklevel=4)
+                      stacklevel=5)
         return False
     return True
 
@@ -467,7 +612,7 @@ def _build(fast, folder: Path, digest: str, missing: list, later: list, packages
                 raise
             _write_atomic(folder / f"{g.name}.static", f"{type(e).__name__}: {e}\n")
             warnings.warn(f"specgraph: {g.name} does not export with a dynamic batch ({type(e).__name__}); "
-                          "building a graph per batch bucket instead", stacklevel=5)
+                          "building a graph per batch bucket instead", stacklevel=6)
             work.add([(s, fast.reserve_frozen_copy(s.name)) for s in _per_bucket(fast, g)])
             return
         work.done(fast, g, pkg, time.perf_counter() - t1)
@@ -516,6 +661,7 @@ class _Work:
         self.helper = None  # the _Helper, if any
         self._staged: list[dict] = []  # registrations of built refinements, not yet adopted
         self.settled = False  # this process has stopped building: refinements are the helper's alone
+        self.background = False  # the helper goes on building refinements after load_or_build returns
 
     def take(self):
         """The next graph for this process (None: none left)."""
@@ -582,7 +728,8 @@ class _Work:
         """This process is done building: whether the helper goes on with the refinements."""
         with self.lock:
             self.settled = True
-            return helper is not None and helper.busy() and not self.todo and bool(self.later or self.refining)
+            self.background = helper is not None and helper.busy() and not self.todo and bool(self.later or self.refining)
+            return self.background
 
     def per_bucket(self, fast, folder: Path, g, error: str) -> None:
         """Refinement ``g``, a dynamic-batch graph, failed to export: recorded as such, and its
@@ -646,7 +793,7 @@ def _start_helper(fast, folder: Path, digest: str, work: _Work) -> "_Helper | No
         return _Helper(fast, folder, digest, work)
     except (OSError, RuntimeError, ValueError) as e:
         warnings.warn(f"specgraph: no build helper process ({type(e).__name__}: {e}); building every graph in this "
-                      "process", stacklevel=3)
+                      "process", stacklevel=4)
         return None
 
 
@@ -662,9 +809,10 @@ class _Helper:
     def __init__(self, fast, folder: Path, digest: str, work: _Work):
         self.fast, self.folder, self.digest, self.work = fast, folder, digest, work
         self.proc, self.stopping = None, threading.Event()
+        self._exit_lock, self._exited, self._on_exit = threading.Lock(), False, []
         # the model is saved here, before this process starts exporting it: torch.export swaps the
         # module's parameters while it traces, which a save from another thread would see
-        self.model_dir = Path(tempfile.mkdtemp(dir=folder, prefix=".helper-model-"))
+        self.model_dir = Path(tempfile.mkdtemp(dir=folder, prefix=f".helper-model-{os.getpid()}-"))  # 0700
         try:
             fast.model.save_pretrained(self.model_dir)
         except BaseException:
@@ -676,6 +824,14 @@ class _Helper:
 
     def busy(self) -> bool:
         return self.thread.is_alive()
+
+    def on_exit(self, fn) -> None:
+        """Call ``fn`` once the helper's thread ends (now, if it has)."""
+        with self._exit_lock:
+            if not self._exited:
+                self._on_exit.append(fn)
+                return
+        fn()
 
     def wait(self, seconds: float | None) -> None:
         self.thread.join(seconds)
@@ -700,7 +856,7 @@ class _Helper:
         model_dir = self.model_dir
         log = self.folder / f".helper-{os.getpid()}-{id(self):x}.log"
         try:
-            with open(log, "w") as err:
+            with _private_file(log) as err:
                 self._start(model_dir, err)
                 self._serve()
         except Exception as e:  # noqa: BLE001 - this process builds what the helper did not
@@ -725,6 +881,10 @@ class _Helper:
             shutil.rmtree(model_dir, ignore_errors=True)
             log.unlink(missing_ok=True)
             atexit.unregister(self._at_exit)  # nothing left to stop: let the object go
+            with self._exit_lock:
+                self._exited, done = True, self._on_exit
+            for fn in done:
+                fn()
 
     def _start(self, model_dir: Path, err) -> None:
         import specgraph.compiler as compiler
@@ -791,7 +951,7 @@ def write_package(fast, folder: Path, digest: str, g, frozen: bool, device, voca
     The helper process writes packages without opening them: the compiling process opens each
     after checking it."""
     t1 = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as stage:
+    with tempfile.TemporaryDirectory(dir=folder, prefix=f".build-{os.getpid()}-") as stage:
         (Path(stage) / PT2_SUBDIR).mkdir()
         spec, _ = package_graph(fast, g, Path(stage), device, vocab, _filters(fast), freeze=frozen,
                                 autotune=fast.autotune)
@@ -800,20 +960,20 @@ def write_package(fast, folder: Path, digest: str, g, frozen: bool, device, voca
         spec["file"] = f"{stem}.pt2"
         rec = {"format": FORMAT, "key": digest, "spec": spec, "file": file_entry(built),
                "seconds": round(time.perf_counter() - t1, 2), "pid": os.getpid()}
+        os.chmod(built, 0o600)
         built.replace(folder / spec["file"])
     _write_atomic(folder / f"{stem}.json", json.dumps(rec, indent=1) + "\n")
     return spec
 
 
 def entries(root=None) -> list[dict]:
-    """The cache's folders: {"path", "graphs" (names), "bytes", "model_type", "dtype", "torch"}."""
+    """The cache's entries (:func:`_entry_problem`; anything else under the root is left out, see
+    :func:`others`): {"path", "graphs" (names), "bytes", "model_type", "dtype", "torch"}."""
     out = []
-    base = cache_root(root)
-    for folder in sorted(p for p in base.glob("*") if p.is_dir() and not p.name.startswith(".")):
-        try:
-            key = json.loads((folder / KEY_FILE).read_text())
-        except (OSError, ValueError):
-            key = {}
+    for folder in _children(cache_root(root)):
+        if _entry_problem(folder) is not None:
+            continue
+        key = json.loads((folder / KEY_FILE).read_text())
         files = [p for p in folder.rglob("*") if p.is_file()]
         out.append({"path": str(folder), "graphs": sorted(p.stem for p in folder.glob("*.pt2")),
                     "bytes": sum(p.stat().st_size for p in files),
@@ -822,10 +982,40 @@ def entries(root=None) -> list[dict]:
     return out
 
 
-def clear(root=None) -> int:
-    """Remove every cached graph under the cache root; returns the bytes freed."""
-    freed = 0
+def others(root=None) -> list[tuple[str, str]]:
+    """What the cache root holds beside its entries (hidden names aside): (path, why it is not an
+    entry) each. :func:`clear` leaves them."""
+    return [(str(p), why) for p in _children(cache_root(root)) if (why := _entry_problem(p)) is not None]
+
+
+def _children(base: Path) -> list[Path]:
+    return sorted(p for p in base.glob("*") if not p.name.startswith(".")) if base.is_dir() else []
+
+
+@dataclasses.dataclass
+class Cleared:
+    """What :func:`clear` did."""
+
+    freed: int = 0  # bytes
+    removed: list = dataclasses.field(default_factory=list)  # the entries' paths
+    skipped: list = dataclasses.field(default_factory=list)  # (path, why) of what the root holds beside
+
+
+def clear(root=None) -> Cleared:
+    """Remove the cache's entries (:func:`entries`) and nothing else: a folder that is not an
+    entry, or an entry another process is building (its lock is held), is skipped and reported."""
+    out = Cleared(skipped=others(root))
     for e in entries(root):
-        freed += e["bytes"]
-        shutil.rmtree(e["path"], ignore_errors=True)
-    return freed
+        lock = _lock(Path(e["path"]))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            out.skipped.append((e["path"], "another process is building its graphs"))
+            continue
+        try:
+            shutil.rmtree(e["path"], ignore_errors=True)
+        finally:
+            lock.release()
+        out.freed += e["bytes"]
+        out.removed.append(e["path"])
+    return out

@@ -147,13 +147,14 @@ def test_second_compile_loads_the_graphs(model, first, root):
 
 
 def test_a_killed_builds_leftovers_are_swept(model, first, root):
-    """Stage folders, a helper's model copy and temporary files of a build whose process died are
-    removed by the next compile once an hour old; younger ones (maybe a build in progress) stay."""
+    """Stage folders, a helper's model copy and temporary files whose names carry no process id
+    (older versions wrote such names) are removed by the next compile once an hour old; younger
+    ones (maybe a build in progress) stay. (Names with a process id: test_graphcache_safety.)"""
     import os
     import time
 
     folder = Path(first.graph_cache["path"])
-    old = [folder / ".build-dead", folder / ".helper-model-dead", folder / ".x.json.123.tmp"]
+    old = [folder / ".build-dead", folder / ".helper-model-dead", folder / ".x.json.tmp"]
     young = folder / ".build-running"
     for p in (*old[:2], young):
         p.mkdir()
