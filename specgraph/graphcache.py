@@ -8,6 +8,11 @@ Entries live under ``$SPECGRAPH_GRAPH_CACHE`` (default ``$SPECGRAPH_CACHE/graphs
     <key>/<graph>[.frozen].pt2      one AOTInductor package per graph (e.g. round_b1_k4_greedy)
     <key>/<graph>[.frozen].json     its spec, sha256 and size (written after the package)
     <key>/<graph>.static            a dynamic-batch graph that failed to export (see below)
+    <key>/.lock                     the build lock (one process builds an entry at a time)
+
+An entry is a folder whose name is the digest of its own ``key.json`` (a graph-cache key):
+:func:`entries` lists those and :func:`clear` (``specgraph cache --clear``) removes those,
+leaving anything else under the root, reported as skipped.
 
 Batch buckets. The larger buckets of a round share one package whose batch is a dynamic
 dimension (``round_b2-32_k4_greedy``: buckets 2 to 32), batch 1 and the smallest rounds keep
@@ -43,9 +48,26 @@ frozen (the weights prepacked inside each package, the fast CPU GEMMs) and autot
 object is. A graph the process's freeze budget (:mod:`specgraph.freezing`) refuses is used (or
 built) unfrozen, bound to the model's own tensors at load time.
 
-Safety. A package is used only when its JSON record is readable, names this folder's key and the
-package matches its size and sha256; anything else is removed and rebuilt, with a warning saying
-why. Files appear atomically (written under a temporary name, then renamed).
+Safety. A package is native code this process loads. Another local user can neither plant nor
+read one: the cache root and the entry folder must be owned by this process's effective uid and
+writable by neither group nor others (the rule ssh applies to its keys; a link to the root is
+followed, the entry folder is no link), else the cache is not used (a warning names the path and
+why, and the JIT builds the graphs instead); new folders are 0700 and files 0600 whatever the
+umask (frozen packages hold the model's weights). A package is used only when its record and
+itself pass the same rule, the record is readable and names this folder's key and graph, and the
+package matches its size and sha256 (corruption: a truncated copy, an interrupted write);
+anything else is removed and rebuilt, with a warning saying why. Files appear atomically (written
+under a temporary name, then renamed). Not protected: a process running as this user (or root)
+can rewrite the cache, as it can rewrite this user's Python packages; the sha256 records detect
+corruption, not such a writer.
+
+Concurrency. One process builds an entry at a time: :func:`load_or_build` holds the entry's lock
+(``filelock``) while it checks and builds, and through the background builds of
+``refine="background"`` or ``"auto"`` (released when the helper process ends); a second process
+waits, then loads what the first built and builds only what is still missing. The lock is per process
+(reentrant): a second build of the same entry in the same process does not wait. Temporary files
+carry their writer's process id (``.build-<pid>-*``, ``.helper-model-<pid>-*``) and are removed
+by the next build once that process has exited.
 
 Only chain and tree rounds of model-free drafters (plain decoding, ``"ngram"``, ``"suffix"``) on
 the CPU are packaged; other objects build their graphs with the JIT (:meth:`SpecGraphModel.warmup`).
@@ -240,9 +262,12 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
                   dynamic_batch: bool = True, merge_modes: bool = True, refine: str = "now",
                   packed_prefill: bool = False) -> dict | None:
     """Serve ``fast``'s graph set (:meth:`SpecGraphModel.graph_plan`) from the cache, building the
-    graphs it lacks (or holds corrupt) first. Returns what happened ({"path", "hit", "built",
-    "helper_built" (of those, built by a helper process), "loaded", "frozen", "seconds"}), or None
-    when the object cannot be cached or the disk has no room (a warning says so). :meth:`SpecGraphModel.warmup` afterwards runs every graph once and
+    graphs it lacks (or holds corrupt) first, with the entry's lock held (another process building
+    the same entry is waited for, then what it built is loaded: see "Concurrency" above). Returns
+    what happened ({"path", "hit", "built", "helper_built" (of those, built by a helper process),
+    "loaded", "frozen", "seconds"}), or None when the object cannot be cached, the disk has no room
+    or the cache folder may hold another user's files (a warning says so).
+    :meth:`SpecGraphModel.warmup` afterwards runs every graph once and
     builds with the JIT whatever the cache does not serve. ``logits`` (a
     :class:`specgraph.processors.LogitsSpec`): the plan's rounds with these logits processors
     instead, added to the packages the object is already served from. ``dynamic_batch``: batch
@@ -359,8 +384,9 @@ class RowSplit:
 
 
 def _untrusted(path: Path, follow_symlinks: bool = False) -> str | None:
-    """Why ``path`` may hold what another local user wrote (None when only this user, or root,
-    could have): a symbolic link, owned by another uid, or writable by group or others."""
+    """Why ``path`` may hold what another local user wrote (None when it is this user's own and
+    no one else can write it): a symbolic link, owned by another uid, or writable by group or
+    others."""
     return writable_by_others(path, owners=(os.geteuid(),) if hasattr(os, "geteuid") else None,
                               follow_symlinks=follow_symlinks)
 
@@ -728,7 +754,8 @@ class _Work:
         """This process is done building: whether the helper goes on with the refinements."""
         with self.lock:
             self.settled = True
-            self.background = helper is not None and helper.busy() and not self.todo and bool(self.later or self.refining)
+            self.background = (helper is not None and helper.busy() and not self.todo
+                               and bool(self.later or self.refining))
             return self.background
 
     def per_bucket(self, fast, folder: Path, g, error: str) -> None:
@@ -1005,17 +1032,20 @@ def clear(root=None) -> Cleared:
     """Remove the cache's entries (:func:`entries`) and nothing else: a folder that is not an
     entry, or an entry another process is building (its lock is held), is skipped and reported."""
     out = Cleared(skipped=others(root))
-    for e in entries(root):
-        lock = _lock(Path(e["path"]))
+    for entry in entries(root):
+        lock = _lock(Path(entry["path"]))
         try:
             lock.acquire(timeout=0)
         except Timeout:
-            out.skipped.append((e["path"], "another process is building its graphs"))
+            out.skipped.append((entry["path"], "another process is building its graphs"))
+            continue
+        except OSError as e:  # e.g. another user's entry
+            out.skipped.append((entry["path"], f"cannot lock it ({e.strerror or e})"))
             continue
         try:
-            shutil.rmtree(e["path"], ignore_errors=True)
+            shutil.rmtree(entry["path"], ignore_errors=True)
         finally:
             lock.release()
-        out.freed += e["bytes"]
-        out.removed.append(e["path"])
+        out.freed += entry["bytes"]
+        out.removed.append(entry["path"])
     return out

@@ -157,7 +157,8 @@ def test_cli_clear_of_a_folder_without_entries_removes_nothing(tmp_path, monkeyp
 
 def test_clear_skips_an_entry_another_process_is_building(fast, opened, tmp_path):
     entry = make_entry(fast, tmp_path / "cache")
-    code = "import sys, filelock\nlock = filelock.FileLock(sys.argv[1])\nlock.acquire()\nprint('locked', flush=True)\nsys.stdin.read()"
+    code = ("import sys, filelock\nlock = filelock.FileLock(sys.argv[1])\nlock.acquire()\n"
+            "print('locked', flush=True)\nsys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", code, str(entry / graphcache.LOCK_FILE)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -330,7 +331,8 @@ def test_two_processes_build_an_entry_once(tmp_path):
     try:
         deadline = time.monotonic() + 240
         while not all((tmp_path / f"ready-{i}").exists() for i in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.stderr.read() for p in procs]
+            running = all(p.poll() is None for p in procs)
+            assert running and time.monotonic() < deadline, [p.stderr.read()[-3000:] for p in procs if p.poll() is not None]
             time.sleep(0.05)
         (tmp_path / "go").touch()
         outs = [p.communicate(timeout=240) for p in procs]
