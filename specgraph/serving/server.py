@@ -10,9 +10,28 @@ vLLM's ``ignore_eos``. The sampling filters (top-k / top-p / min-p) are compiled
 sampling graphs: a request may repeat them (``top_p``, ``top_k``, ``min_p`` equal to the
 server's) but not change them. Settings the engine cannot honour exactly (``n`` > 1,
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``echo``, ``best_of``, ``suffix``,
-tools) are refused with a 400 naming them. A full queue answers 429, a request past
-``request_timeout`` 504, a stopping server 503. A client that disconnects frees its row.
-Each choice also carries ``token_ids``: the generated token ids.
+tools) are refused with a 400 naming them; fields without effect on the output (``user``,
+``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``, ``stream_options``) are
+accepted whatever their value. ``model`` may be left out; another model's name is a 404
+(``model_not_found``). A full queue answers 429, a request past ``request_timeout`` 504, a
+stopping server 503. A client that disconnects frees its row within a round. Each choice also
+carries ``token_ids``: the generated token ids.
+
+Hostile clients (:mod:`specgraph.serving.guard` checks the first two on every request):
+
+- the Host header must name an allowed host (400 ``invalid_host``; DNS rebinding);
+- with an API key, ``/v1`` routes need ``Authorization: Bearer <key>`` (401); ``/health`` and
+  ``/metrics`` stay open;
+- a POST must be ``Content-Type: application/json`` (415: a cross-site form or ``fetch`` cannot
+  send it without the browser asking first);
+- a body past ``max_body_bytes`` is a 413 before it is read, a prompt (or messages' text) past
+  ``max_prompt_chars`` a 400 (``context_length_exceeded``) before it is tokenized;
+- parsing, tokenizing and the chat template run in a worker thread, not on the event loop;
+- any error in a client's input (its JSON, a template that fails on its messages, text the
+  tokenizer cannot take) is a 400 with OpenAI's error body; a fault of the server's is a 500
+  with the same body.
+
+Nothing here encrypts: serve on loopback (the default), or behind a TLS proxy.
 """
 
 import asyncio
@@ -248,7 +267,8 @@ class OpenAIServer:
 
     async def events(self, req: ServeRequest, is_disconnected=None):
         """Submit ``req`` and yield its :class:`Event` s; cancels it when the consumer goes away
-        (a disconnected client, a timeout)."""
+        (a client that disconnected, checked at each event and every 0.5 s between them; a
+        timeout)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         arrived = time.perf_counter()
@@ -271,11 +291,13 @@ class OpenAIServer:
                 try:
                     ev = await asyncio.wait_for(queue.get(), timeout=min(left, 0.5))
                 except asyncio.TimeoutError:
-                    if is_disconnected is not None and await is_disconnected():
-                        return
-                    continue
+                    ev = None
+                # at every event too: a non-streaming client's tokens flow without reaching it, and
+                # its row would run to max_tokens after it has gone
                 if is_disconnected is not None and await is_disconnected():
                     return
+                if ev is None:
+                    continue
                 if first and ev.tokens:
                     first = False
                     self.ttft.append(time.perf_counter() - arrived)
