@@ -304,8 +304,8 @@ CHILD = textwrap.dedent("""
     root, me = Path(sys.argv[1]), sys.argv[2]
     built = []
 
-    def package_graph(fast, g, stage, *args, **kwargs):  # a build that takes a second
-        time.sleep(1.0)
+    def package_graph(fast, g, stage, *args, **kwargs):  # a build that takes a while
+        time.sleep(2.5)
         (Path(stage) / PT2_SUBDIR / f"{{g.name}}.pt2").write_bytes(g.name.encode() * 100)
         built.append(g.name)
         return {{"name": g.name, "file": f"{{PT2_SUBDIR}}/{{g.name}}.pt2"}}, None
