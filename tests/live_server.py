@@ -49,14 +49,15 @@ def hf_greedy(model, ids, n):
     return out
 
 
-def greedy_choices(live, prompts, max_tokens):
-    """The first choice of a greedy completion of each prompt, all sent at once to ``live``."""
+def greedy_choices(live, prompts, max_tokens, model="tiny"):
+    """The first choice of a greedy completion of each prompt, all sent at once to ``live`` (which
+    serves ``model``)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=live.url, api_key="none", max_retries=0)
 
     async def one(p):
-        r = await client.completions.create(model="tiny", prompt=p, max_tokens=max_tokens, temperature=0)
+        r = await client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0)
         return r.choices[0]
 
     async def all_():

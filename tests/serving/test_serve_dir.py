@@ -53,7 +53,7 @@ def test_a_served_directory_equals_generate(compiled):
     try:
         prompts = ["the cat sat on the mat. the cat sat on the", "abcabcabcabc", "hello world, hello",
                    "1 2 3 4 5 6 7 8 9 10 11 12 " * 4]
-        choices = greedy_choices(live, prompts, 24)
+        choices = greedy_choices(live, prompts, 24, model=str(d))
         for p, ch in zip(prompts, choices):
             got, want = ch.model_extra["token_ids"], hf_greedy(model, tok(p).input_ids, 24)
             assert got == want[: len(got)] and (ch.finish_reason != "length" or len(got) == 24), p
