@@ -28,27 +28,28 @@ class IncrementalText:
         self.read = 0  # tokens whose text has been released
         self.fed = 0  # tokens fed (read <= fed: the ones after read wait for the rest of a character)
 
-    def step(self, ids: list[int]) -> str | None:
-        """Feed ``ids[self.fed]``; returns the text released by it ("" for a token without text),
-        or None while its text may still change."""
+    def step(self, ids: list[int]) -> tuple[str, bool]:
+        """Feed ``ids[self.fed]``: (the text of the tokens fed since the last release, whether it
+        is final). Final text is released ("" for a token without text); text that is not (it
+        ends in a replacement character) may still change with the next token."""
         self.fed += 1
         before = self.decode(ids[self.prefix: self.read])
         now = self.decode(ids[self.prefix: self.fed])
-        if now.endswith("\ufffd") and self.fed - self.read < MAX_PENDING:
-            return None
         new = now[len(before):]
+        if now.endswith("\ufffd") and self.fed - self.read < MAX_PENDING:
+            return new, False
         # the next token's context: the tokens that released this text; after tokens without
         # text (special tokens), the last few tokens
         self.prefix = self.read if new else max(self.prefix, self.fed - CONTEXT)
         self.read = self.fed
-        return new
+        return new, True
 
     def extend(self, ids: list[int]) -> str:
         """Feed every token of ``ids`` not fed yet; returns the text they released."""
         out = []
         while self.fed < len(ids):
-            new = self.step(ids)
-            if new:
+            new, final = self.step(ids)
+            if final:
                 out.append(new)
         return "".join(out)
 
@@ -83,13 +84,12 @@ class TextTracker:
         if len(ids) < self._cut.fed:  # not an extension of what was checked: start over
             self._cut, self._tail = IncrementalText(self.decode), ""
         while self._cut.fed < len(ids):
-            new = self._cut.step(ids)
-            if not new:
-                continue
-            window = self._tail + new
+            new, final = self._cut.step(ids)
+            window = self._tail + new  # the text of these tokens as a whole decode has it, even if not final
             if any(s in window for s in self.stop):
                 return self._cut.fed
-            self._tail = window[max(0, len(window) - self.hold):] if self.hold else ""
+            if final:
+                self._tail = window[max(0, len(window) - self.hold):] if self.hold else ""
         return None
 
     def final_text(self, ids: list[int], stopped: bool) -> str:

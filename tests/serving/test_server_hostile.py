@@ -86,14 +86,18 @@ def wait_until(cond, timeout=10.0):
 
 
 def byte_tokenizer():
-    """A byte-level tokenizer (one token per UTF-8 byte): a character of 2-4 bytes spans tokens,
-    and a prefix of a character's tokens decodes to a replacement character."""
+    """A byte-level tokenizer (a token per UTF-8 byte, and two merges): a character of 2-4 bytes
+    spans tokens, a prefix of a character's tokens decodes to a replacement character, and a
+    token may hold the end of one character and the start of the next (" " + the first byte of
+    "😀", "b" + the first byte of "é")."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = [("Ġ", "ð"), ("b", "Ã")]  # the byte-level spellings of b" \xf0" and b"b\xc3"
     vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(alphabet)}}
-    tk = Tokenizer(models.BPE(vocab, []))
+    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+    tk = Tokenizer(models.BPE(vocab, merges))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>")
@@ -116,15 +120,18 @@ def tokenizers_(char_tokenizer):
 CHARS = "ab c.\n" + "é中😀"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(kind=st.sampled_from(["char", "byte"]), text=st.text(alphabet=CHARS, min_size=1, max_size=40),
-       stops=st.lists(st.text(alphabet=CHARS, min_size=1, max_size=4), min_size=1, max_size=16),
+       spans=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), max_size=3),
+       others=st.lists(st.text(alphabet=CHARS, min_size=1, max_size=4), min_size=1, max_size=13),
        rounds=st.lists(st.integers(1, 6), min_size=1, max_size=60), eos_at=st.sets(st.integers(0, 40), max_size=4))
-def test_stop_cut_is_the_shortest_prefix_with_a_stop(tokenizers_, kind, text, stops, rounds, eos_at):
+def test_stop_cut_is_the_shortest_prefix_with_a_stop(tokenizers_, kind, text, spans, others, rounds, eos_at):
     """Fed the output round by round, stop_cut answers, at the round that completes the first stop
     string, the fewest tokens whose text contains it; and the streamed deltas join to the text
-    before it (special tokens, without text, among the output; multi-byte characters split)."""
+    before it (special tokens, without text, among the output; multi-byte characters split).
+    Stop strings: pieces of the text and others."""
     tok = tokenizers_[kind]
+    stops = [text[i: i + n] for i, n in spans if text[i: i + n]] + others
     ids = tok(text, add_special_tokens=False).input_ids
     for j in sorted(eos_at, reverse=True):
         ids.insert(min(j, len(ids)), tok.eos_token_id)
