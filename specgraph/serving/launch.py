@@ -6,6 +6,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from specgraph.serving.guard import LOCAL_HOSTS
+
 
 @dataclass
 class ServeConfig:
@@ -35,7 +37,7 @@ class ServeConfig:
     attention: str = "auto"  # specgraph.compile's attention: "block_sparse" (CPU default) or "sdpa"
     packed_prefill: bool = True  # specgraph.compile's packed_prefill: prompt chunks through a compiled graph
     api_key: str | None = None  # the key /v1 routes require (Authorization: Bearer); None: none
-    allowed_hosts: tuple[str, ...] | None = ("localhost", "127.0.0.1", "::1")  # Host header names; None: any
+    allowed_hosts: tuple[str, ...] | None = LOCAL_HOSTS  # the names a Host header may carry; None: any
     max_prompt_chars: int | None = None  # longest prompt tokenized (None: 32 characters per token of max_seq_len)
 
 
