@@ -205,7 +205,8 @@ class OpenAIServer:
             try:
                 return self.tok(p, add_special_tokens=True).input_ids
             except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take (a lone surrogate) is the client's
-                raise RequestError(400, f"the prompt cannot be tokenized: {type(e).__name__}: {e}", param="prompt") from e
+                raise RequestError(400, f"the prompt cannot be tokenized: {type(e).__name__}: {e}",
+                                   param="prompt") from e
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             return p
         raise RequestError(400, "prompt must be a string, a list of token ids, or a list holding one of them "
