@@ -44,6 +44,22 @@ class Live:
         assert not self.thread.is_alive()
 
 
+def eager_engine(char_tokenizer, *, max_seq_len: int = 512, **engine_kw):
+    """(model, tokenizer, engine): the tiny model compiled with prompt lookup on eager rounds (the
+    server tests test the server; the engine on compiled graphs is served in test_engine and
+    test_serve_dir), the character tokenizer with :data:`CHAT`, and a warmed-up engine of 4 rows."""
+    import specgraph
+    from specgraph.serving import ServingEngine
+
+    model = tiny_model()
+    tok = char_tokenizer()
+    tok.chat_template = CHAT
+    fast = specgraph.compile(model, "ngram", max_batch_size=4, max_seq_len=max_seq_len, backend="eager")
+    engine = ServingEngine(fast, max_queue=8, prefill_chunk=16, **engine_kw)
+    engine.warmup(progress=False)
+    return model, tok, engine
+
+
 def hf_greedy(model, ids, n):
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
     return out

@@ -21,18 +21,11 @@ pytest.importorskip("prometheus_client")
 import specgraph  # noqa: E402
 from specgraph.serving import ServingEngine  # noqa: E402
 from specgraph.serving.server import create_app  # noqa: E402
-from live_server import CHAT, Live, greedy_choices, hf_greedy, tiny_model  # noqa: E402
+from live_server import Live, eager_engine, greedy_choices, hf_greedy, tiny_model  # noqa: E402
 
 @pytest.fixture(scope="module")
 def served(char_tokenizer):
-    model = tiny_model()
-    tok = char_tokenizer()
-    tok.chat_template = CHAT
-    # eager rounds: this file tests the server (HTTP, OpenAI semantics, queueing, cancellation); the
-    # engine on compiled graphs is served in test_engine (graph cache) and test_serve_dir (a directory)
-    fast = specgraph.compile(model, "ngram", max_batch_size=4, max_seq_len=512, backend="eager")
-    engine = ServingEngine(fast, max_queue=8, prefill_chunk=16, max_logprobs=3)
-    engine.warmup(progress=False)
+    model, tok, engine = eager_engine(char_tokenizer, max_logprobs=3)
     live = Live(create_app(engine, tok, "tiny"))
     yield model, tok, engine, live
     live.stop()

@@ -21,10 +21,8 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-import specgraph  # noqa: E402
-from specgraph.serving import ServingEngine  # noqa: E402
 from specgraph.serving.server import create_app  # noqa: E402
-from live_server import CHAT, Live, hf_greedy, tiny_model  # noqa: E402
+from live_server import Live, eager_engine, hf_greedy  # noqa: E402
 
 KEY = "sk-fuzz"
 MAX_PROMPT_CHARS = 2000
@@ -34,12 +32,7 @@ ANSWER_TIMEOUT = 30.0  # seconds a request may take (max_tokens <= 64 on the tin
 
 @pytest.fixture(scope="module")
 def served(char_tokenizer):
-    model = tiny_model()
-    tok = char_tokenizer()
-    tok.chat_template = CHAT
-    fast = specgraph.compile(model, "ngram", max_batch_size=4, max_seq_len=256, backend="eager")
-    engine = ServingEngine(fast, max_queue=8, prefill_chunk=16, max_logprobs=2)
-    engine.warmup(progress=False)
+    model, tok, engine = eager_engine(char_tokenizer, max_seq_len=256, max_logprobs=2)
     app = create_app(engine, tok, "tiny", api_key=KEY, max_prompt_chars=MAX_PROMPT_CHARS,
                      max_body_bytes=MAX_BODY_BYTES)
     live = Live(app)

@@ -27,19 +27,14 @@ from specgraph.serving.engine import Event, ServeRequest  # noqa: E402
 from specgraph.serving.guard import default_hosts, host_name  # noqa: E402
 from specgraph.serving.server import OpenAIServer, create_app, metrics_text  # noqa: E402
 from specgraph.serving.text import TextTracker  # noqa: E402
-from live_server import CHAT, Live, hf_greedy, tiny_model  # noqa: E402
+from live_server import Live, eager_engine, hf_greedy, tiny_model  # noqa: E402
 
 KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
 def served(char_tokenizer):
-    model = tiny_model()
-    tok = char_tokenizer()
-    tok.chat_template = CHAT
-    fast = specgraph.compile(model, "ngram", max_batch_size=4, max_seq_len=512, backend="eager")
-    engine = ServingEngine(fast, max_queue=8, prefill_chunk=16)
-    engine.warmup(progress=False)
+    model, tok, engine = eager_engine(char_tokenizer)
     app = create_app(engine, tok, "tiny", api_key=KEY)
     live = Live(app)
     yield model, tok, engine, live, app.state.server
