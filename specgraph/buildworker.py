@@ -14,7 +14,7 @@ Protocol (one JSON object per line; the helper's stdout carries nothing else):
                        n > 0: build at that CPU niceness from now on, beside a serving parent)
     helper -> parent   {"built": name, "seconds": s} | {"error": "...", "export": bool}
 
-The helper rebuilds the compiled object from the model the parent saved (``save_pretrained``)
+The helper rebuilds the compiled object from the model the parent saved (:func:`specgraph.models.save_checkpoint`)
 and the parent's compile settings, then checks that the graph-cache key of its object (weights,
 configuration, settings, versions, machine) is the parent's: a helper whose model or settings
 differ in any way refuses to build. It writes each package into the cache folder exactly as the

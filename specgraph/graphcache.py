@@ -100,7 +100,7 @@ from specgraph.artifacts import (
 )
 from specgraph.freezing import weight_bytes
 from specgraph.graphset import MODES, Progress, packed_prefill_spec, with_dynamic_batch, with_logits, with_merged_modes
-from specgraph.models import cache_dir
+from specgraph.models import cache_dir, save_checkpoint
 from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph, package_key
 from specgraph.warping import SamplingParams
 
@@ -841,7 +841,7 @@ class _Helper:
         # module's parameters while it traces, which a save from another thread would see
         self.model_dir = Path(tempfile.mkdtemp(dir=folder, prefix=f".helper-model-{os.getpid()}-"))  # 0700
         try:
-            fast.model.save_pretrained(self.model_dir)
+            save_checkpoint(fast.model, self.model_dir)  # a GGUF-loaded model too
         except BaseException:
             shutil.rmtree(self.model_dir, ignore_errors=True)
             raise

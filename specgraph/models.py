@@ -144,25 +144,45 @@ def load_model(name: str = "default", *, dtype=None, use_cache: bool = True, dev
 
 
 def _save_dequantized(model, tok, cached: Path) -> None:
-    """Write ``model`` (loaded from GGUF) and ``tok`` as a HF checkpoint folder at ``cached``.
-
-    save_pretrained refuses models loaded from GGUF, so config, weights and tokenizer are written
-    here: config.json without the GGUF quantization entry and with ``architectures``; every distinct
-    tensor once, under the first name the state dict gives it (tied embeddings: the input
-    embedding ``model.embed_tokens.weight``, which from_pretrained and vLLM tie the output layer to).
-    The folder appears atomically (written under a temporary name, then renamed).
-    """
-    from safetensors.torch import save_file
-
+    """Write ``model`` (loaded from GGUF) and ``tok`` as a HF checkpoint folder at ``cached``
+    (:func:`save_checkpoint`). The folder appears atomically (written under a temporary name,
+    then renamed)."""
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(model, tmp)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(cached)
+    except OSError:  # another process won the race; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def loaded_from_gguf(model) -> bool:
+    """Whether ``model`` was loaded from a GGUF file: its weights dequantized at load, and a
+    quantizer that makes ``save_pretrained`` refuse it."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    return quantizer is not None and getattr(quantizer.quantization_config, "quant_method", None) == "gguf"
+
+
+def save_checkpoint(model, folder: Path) -> None:
+    """``model`` as a checkpoint folder its class's ``from_pretrained`` loads (config, generation
+    config, weights): ``save_pretrained``, except for a model loaded from GGUF, which
+    ``save_pretrained`` refuses. That one is written here: config.json without the GGUF
+    quantization entry and with ``architectures`` and the weights' dtype; every distinct tensor
+    once, under the first name the state dict gives it (tied embeddings: the input embedding
+    ``model.embed_tokens.weight``, which from_pretrained and vLLM tie the output layer to)."""
+    if not loaded_from_gguf(model):
+        model.save_pretrained(folder)
+        return
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["architectures"] = list(getattr(model.config, "architectures", None) or [type(model).__name__])
-    cfg["dtype"] = "float32"
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    model.generation_config.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    cfg["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    model.generation_config.save_pretrained(folder)
     tensors, seen = {}, set()
     for key, t in model.state_dict().items():
         ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
@@ -170,11 +190,7 @@ def _save_dequantized(model, tok, cached: Path) -> None:
             continue
         seen.add(ident)
         tensors[key] = t.detach().to("cpu").contiguous()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    try:
-        tmp.rename(cached)
-    except OSError:  # another process won the race; its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _load_dequantized(cached: Path, dtype):
