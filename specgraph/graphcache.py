@@ -64,10 +64,12 @@ corruption, not such a writer.
 Concurrency. One process builds an entry at a time: :func:`load_or_build` holds the entry's lock
 (``filelock``) while it checks and builds, and through the background builds of
 ``refine="background"`` or ``"auto"`` (released when the helper process ends); a second process
-waits, then loads what the first built and builds only what is still missing. The lock is per process
+waits (saying so each minute; after LOCK_WAIT_SECONDS, an hour, it compiles without the cache),
+then loads what the first built and builds only what is still missing. The lock is per process
 (reentrant): a second build of the same entry in the same process does not wait. Temporary files
 carry their writer's process id (``.build-<pid>-*``, ``.helper-model-<pid>-*``) and are removed
-by the next build once that process has exited.
+by the next build once that process has exited, or once the pid names a process that started
+after the file was written (a restarted container's pid 1).
 
 Only chain and tree rounds of model-free drafters (plain decoding, ``"ngram"``, ``"suffix"``) on
 the CPU are packaged; other objects build their graphs with the JIT (:meth:`SpecGraphModel.warmup`).
@@ -292,6 +294,8 @@ def load_or_build(fast, modes=MODES, progress: bool = True, root=None, logits=No
     if folder is None:
         return None
     lock = _acquire(folder, progress)
+    if lock is None:
+        return None
     handed_over = False  # the lock goes with the background builds, released when they end
     try:
         _sweep(folder)
@@ -430,16 +434,30 @@ def _lock(folder: Path) -> FileLock:
     return FileLock(folder / LOCK_FILE, mode=0o600, thread_local=False, is_singleton=True)
 
 
-def _acquire(folder: Path, progress: bool) -> FileLock:
-    """Entry ``folder``'s build lock, held: waits while another process builds there (saying so)."""
-    lock = _lock(folder)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
+LOCK_WAIT_SECONDS = 3600  # the longest wait for another process's build of an entry
+LOCK_REPORT_SECONDS = 60  # how often a waiting process says it is still waiting
+
+
+def _acquire(folder: Path, progress: bool) -> FileLock | None:
+    """Entry ``folder``'s build lock, held: waits while another process builds there (saying so
+    every LOCK_REPORT_SECONDS); None, with a warning, after LOCK_WAIT_SECONDS (the other build
+    hangs: this process compiles without the cache)."""
+    lock, start, timeout = _lock(folder), time.monotonic(), 0.0
+    while True:
+        try:
+            lock.acquire(timeout=timeout)
+            return lock
+        except Timeout:
+            pass
+        waited = time.monotonic() - start
+        if waited >= LOCK_WAIT_SECONDS:
+            warnings.warn(f"specgraph: another process has been building the graphs of {folder} for over "
+                          f"{LOCK_WAIT_SECONDS / 60:.0f} minutes; compiling without the cache", stacklevel=4)
+            return None
         if progress:
-            print(f"specgraph: another process is building the graphs of {folder}; waiting for it", file=sys.stderr)
-        lock.acquire()
-    return lock
+            print(f"specgraph: another process is building the graphs of {folder}; waiting for it"
+                  + (f" ({waited:.0f} s so far)" if timeout else ""), file=sys.stderr)
+        timeout = min(LOCK_REPORT_SECONDS, LOCK_WAIT_SECONDS - waited)
 
 
 def _entry_problem(path: Path) -> str | None:
@@ -492,8 +510,24 @@ def _abandoned(path: Path, now: float) -> bool:
     is gone, or (a name without one) it is older than STALE_SECONDS."""
     m = _OWNER_PID.match(path.name)
     if m is not None:
-        return not _alive(int(m.group(1) or m.group(2)))
+        pid = int(m.group(1) or m.group(2))
+        if not _alive(pid):
+            return True
+        started = _process_start(pid)  # a pid reused since (a container's pid 1 restarted: this very process)
+        return started is not None and started > path.lstat().st_mtime + 1.0
     return now - path.lstat().st_mtime >= STALE_SECONDS
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch; Linux's /proc), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, counted from the ")"
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -1034,6 +1068,9 @@ def clear(root=None) -> Cleared:
     out = Cleared(skipped=others(root))
     for entry in entries(root):
         lock = _lock(Path(entry["path"]))
+        if lock.is_locked:  # this process builds there (the lock is reentrant within a process)
+            out.skipped.append((entry["path"], "this process is building its graphs"))
+            continue
         try:
             lock.acquire(timeout=0)
         except Timeout:

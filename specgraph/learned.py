@@ -42,6 +42,7 @@ import torch
 
 from specgraph.artifacts import cpu_model
 from specgraph.heads import EagleHead, HeadMismatchError, MedusaHeads, TargetBound, find_head, load_head, model_fingerprint
+from specgraph.limits import max_positions
 from specgraph.verify import exponential_noise
 from specgraph.warping import SamplingParams, warped_probs
 
@@ -218,7 +219,11 @@ def measure_compiled_tree_costs(model, head, query_sizes, head_rows, *, backend:
 
     hi = max(query_sizes)
     pts = sorted({int(n) for n in points if 1 <= n < hi} | {1, hi})
-    plain = engine_config(model, Draft(None), 1, None, backend, 1, context + max(hi, *head_rows) + 2, freeze, autotune)
+    width = max(hi, *head_rows) + 2
+    limit = max_positions(model)
+    if limit is not None:  # a model of few positions is timed after a shorter context
+        context = max(0, min(context, limit[1] - width))
+    plain = engine_config(model, Draft(None), 1, None, backend, 1, context + width, freeze, autotune)
     tmp = SpecGraphModel(model, plain)
     try:
         curve = CostCurve.fit(measure_round_costs(tmp, [1], pts, context, repeats, progress))

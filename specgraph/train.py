@@ -305,7 +305,7 @@ def target_features(model, seqs: list[list[int]], pad_id: int = 0):
 
 
 GEN_ENGINES = ("specgraph", "hf")
-GEN_MAX_SEQ = 1024  # the compiled engine's cache length; a longer prompt + answer goes to HF generate
+GEN_MAX_SEQ = 1024  # the compiled engine's cache length (at most the model's positions); longer goes to HF generate
 
 
 def answer_engine(model, kind: str, batch: int):
@@ -319,8 +319,11 @@ def answer_engine(model, kind: str, batch: int):
         return None
     import specgraph
 
+    from specgraph.limits import resolve_max_seq_len
+
     return specgraph.compile(model, "ngram", num_speculative_tokens=8, max_batch_size=batch,
-                             max_seq_len=GEN_MAX_SEQ, warmup=False)  # builds the shapes the data run uses
+                             max_seq_len=resolve_max_seq_len(model, None, default=GEN_MAX_SEQ),
+                             warmup=False)  # builds the shapes the data run uses
 
 
 @torch.no_grad()

@@ -376,3 +376,59 @@ def test_what_a_dead_process_left_is_swept_at_once(tmp_path):
     graphcache._sweep(folder)
     assert [p.name for p in left if p.exists()] == []
     assert all(p.exists() for p in kept)
+
+
+def test_what_an_earlier_process_of_the_same_pid_left_is_swept(tmp_path):
+    """A restarted container runs as pid 1 again: a leftover named with this process's pid but
+    last written before this process started is an earlier process's, and is swept; one written
+    since is this process's own build, and stays."""
+    started = graphcache._process_start(os.getpid())
+    if started is None:
+        pytest.skip("no /proc here: a process's start time is unknown")
+    folder = tmp_path / "entry"
+    folder.mkdir()
+    earlier, own = folder / f".helper-model-{os.getpid()}-old1", folder / f".helper-model-{os.getpid()}-new1"
+    for p in (earlier, own):
+        p.mkdir()
+        (p / "model.safetensors").write_bytes(b"w" * 1000)
+    os.utime(earlier, (started - 600, started - 600))
+    graphcache._sweep(folder)
+    assert not earlier.exists() and own.exists()
+
+
+def test_clear_skips_an_entry_this_process_is_building(fast, opened, tmp_path):
+    entry = make_entry(fast, tmp_path / "cache")
+    lock = graphcache._lock(entry)
+    lock.acquire()  # as load_or_build holds it while its helper builds in the background
+    try:
+        done = graphcache.clear(tmp_path / "cache")
+    finally:
+        lock.release()
+    assert done.removed == [] and entry.is_dir()
+    assert done.skipped == [(str(entry), "this process is building its graphs")]
+
+
+def test_a_build_that_never_ends_is_waited_for_a_bounded_time(tmp_path, monkeypatch, capsys):
+    """Another process holds an entry's lock and never lets go: this process waits at most
+    LOCK_WAIT_SECONDS, saying so, then compiles without the cache (a warning)."""
+    folder = tmp_path / "entry"
+    folder.mkdir()
+    monkeypatch.setattr(graphcache, "LOCK_WAIT_SECONDS", 1.0)
+    monkeypatch.setattr(graphcache, "LOCK_REPORT_SECONDS", 0.3)
+    code = ("import sys, filelock\nlock = filelock.FileLock(sys.argv[1])\nlock.acquire()\n"
+            "print('locked', flush=True)\nsys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(folder / graphcache.LOCK_FILE)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.monotonic()
+        with pytest.warns(UserWarning, match="compiling without the cache"):
+            assert graphcache._acquire(folder, progress=True) is None
+        assert 1.0 <= time.monotonic() - t0 < 10
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert "waiting for it" in capsys.readouterr().err
+    lock = graphcache._acquire(folder, progress=False)  # free again: taken at once
+    assert lock is not None and lock.is_locked
+    lock.release()

@@ -73,3 +73,11 @@ def test_kv_fit_uses_the_memory_available():
         limits.check_kv_fits(model, None, 4, 1025, available=need - 1)
     with pytest.raises(ValueError):  # a draft model's cache counts too
         limits.check_kv_fits(model, model, 4, 1025, available=need + 1)
+
+
+def test_engines_sized_inside_specgraph_stay_within_the_model_positions():
+    """train-drafter's answer engine asks for 1024 slots; a model of 256 positions gets 256."""
+    from specgraph.train import GEN_MAX_SEQ, answer_engine
+
+    assert answer_engine(_model(max_position_embeddings=256), "specgraph", 2).max_seq_len == 256
+    assert answer_engine(_model(max_position_embeddings=4096), "specgraph", 2).max_seq_len == GEN_MAX_SEQ
