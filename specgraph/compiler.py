@@ -361,7 +361,7 @@ def engine_config(model, draft: Draft, num_speculative_tokens, tree, backend, ma
             raise ValueError(f"tree_nodes must be a positive int or 'auto', got {tree_nodes!r}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-    max_seq_len = resolve_max_seq_len(model, max_seq_len)
+    max_seq_len = resolve_max_seq_len(model, max_seq_len, draft_model=draft_model)
     check_kv_fits(model, draft_model, max_batch_size, max_seq_len + 1)  # + the scratch slot (EngineConfig.slots)
     if model.training:
         raise ValueError("put the model in eval mode first (model.eval())")

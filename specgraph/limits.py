@@ -34,18 +34,20 @@ def max_positions(model) -> tuple[str, int] | None:
     return None
 
 
-def resolve_max_seq_len(model, max_seq_len: int | None, default: int = DEFAULT_MAX_SEQ_LEN) -> int:
-    """``max_seq_len`` checked against the model's maximum positions; None: ``default``, capped
-    at that maximum. A ``ValueError`` says what to pass instead."""
-    limit = max_positions(model)
+def resolve_max_seq_len(model, max_seq_len: int | None, default: int = DEFAULT_MAX_SEQ_LEN, draft_model=None) -> int:
+    """``max_seq_len`` checked against the maximum positions of the model (and of the draft
+    model, which holds the same sequences); None: ``default``, capped at that maximum. A
+    ``ValueError`` says what to pass instead."""
+    limits = [(who, lim) for who, m in (("model", model), ("draft model", draft_model))
+              if m is not None and (lim := max_positions(m)) is not None]
     if max_seq_len is None:
-        return default if limit is None else min(default, limit[1])
+        return min([default, *(value for _, (_, value) in limits)])
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
         raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
-    if limit is not None and max_seq_len > limit[1]:
-        name, value = limit
-        raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's maximum positions ({name}={value} in its "
-                         f"config): pass max_seq_len <= {value}")
+    for who, (name, value) in limits:
+        if max_seq_len > value:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the {who}'s maximum positions ({name}={value} in its "
+                             f"config): pass max_seq_len <= {value}")
     return max_seq_len
 
 

@@ -81,3 +81,10 @@ def test_engines_sized_inside_specgraph_stay_within_the_model_positions():
 
     assert answer_engine(_model(max_position_embeddings=256), "specgraph", 2).max_seq_len == 256
     assert answer_engine(_model(max_position_embeddings=4096), "specgraph", 2).max_seq_len == GEN_MAX_SEQ
+
+
+def test_a_draft_model_bounds_max_seq_len_too():
+    target, draft = _model(max_position_embeddings=4096), _model(max_position_embeddings=200)
+    assert specgraph.compile(target, draft, backend="eager", warmup=False).max_seq_len == 200
+    with pytest.raises(ValueError, match=r"max_seq_len=300 exceeds the draft model.s maximum positions"):
+        specgraph.compile(target, draft, backend="eager", max_seq_len=300, warmup=False)
