@@ -15,7 +15,7 @@ from specgraph.heads import EagleHead, HeadFileError, MedusaHeads, load_head, mo
 
 NEG = float("-inf")
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=2048)
 
 
 class ByteTok:
