@@ -1219,8 +1219,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to bind")
     sv.add_argument("--port", type=int, default=8000, help="port to bind")
     sv.add_argument("--api-key", default=None, metavar="KEY",
-                    help="the key /v1 routes require (Authorization: Bearer KEY; default: $SPECGRAPH_API_KEY, else "
-                         "none); /health and /metrics stay open")
+                    help="the key every route requires (Authorization: Bearer KEY; default: $SPECGRAPH_API_KEY, else "
+                         "none) but /health and /metrics, which stay open")
     sv.add_argument("--allowed-hosts", type=lambda v: tuple(h for h in v.split(",") if h), default=None,
                     metavar="HOST,...",
                     help="host names the Host header may carry, any port; * for any (default: --host and localhost, "

@@ -1,7 +1,10 @@
 """What the server checks before a request reaches a route: the Host header names an allowed host
 (a page on another site cannot reach a server on loopback through a DNS name it controls: DNS
-rebinding), and ``/v1`` routes carry the API key when the server has one. ``/health`` and
-``/metrics`` need no key (probes and scrapers), but the same Host check.
+rebinding), and, when the server has an API key, every route but ``/health`` and ``/metrics``
+carries it: ``/v1``, FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json``, and paths no route
+serves. ``/health`` and ``/metrics`` need no key (probes and scrapers), but the same Host
+check. A route is told by its path as Starlette matches it: less the ``root_path`` the app is
+served under (a mount, a proxy's prefix).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``, serialized with
 ASCII escapes (a client's lone surrogate in a message cannot break the response)."""
@@ -12,6 +15,7 @@ import json
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")  # the loopback names a local client uses
 WILDCARD_BINDS = ("0.0.0.0", "::", "")  # binds on every interface: a client may use any of the machine's names
+OPEN_ROUTES = frozenset({"/health", "/metrics"})  # the routes that need no API key: they show load, not text
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
@@ -43,6 +47,25 @@ def default_hosts(bind: str) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys((host_name(bind), *LOCAL_HOSTS)))
 
 
+def checked_api_key(api_key: str | None) -> str | None:
+    """``api_key``, refused (ValueError) unless None (no key) or a non-empty string: an empty key
+    would let ``Authorization: Bearer`` with nothing after it in."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError(f"api_key must be a non-empty string (None for no key), got {api_key!r}")
+    return api_key
+
+
+def route_path(scope) -> str:
+    """The path Starlette matches routes against: the request's path less the ``root_path`` it
+    starts with (``/llm/v1/models`` under ``/llm`` is ``/v1/models``)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root):] if path[len(root)] == "/" else path
+
+
 def bearer_token(header: bytes) -> bytes | None:
     """The token of an ``Authorization: Bearer <token>`` header value."""
     scheme, _, token = header.strip().partition(b" ")
@@ -51,13 +74,14 @@ def bearer_token(header: bytes) -> bytes | None:
 
 class Guard:
     """ASGI middleware: refuses a request whose Host header is not an allowed host (400,
-    ``invalid_host``), or, with an API key, a ``/v1`` request without it (401,
-    ``invalid_api_key``). ``hosts``: allowed host names (ports do not matter), None for any."""
+    ``invalid_host``), or, with an API key, a request without it for any route but
+    ``OPEN_ROUTES`` (401, ``invalid_api_key``). ``hosts``: allowed host names (ports do not
+    matter), None for any."""
 
     def __init__(self, app, hosts=LOCAL_HOSTS, api_key: str | None = None):
         self.app = app
         self.hosts = None if hosts is None else frozenset(host_name(h) for h in hosts)
-        self.key = None if api_key is None else api_key.encode()
+        self.key = None if checked_api_key(api_key) is None else api_key.encode()
 
     def refusal(self, scope) -> tuple[int, bytes] | None:
         headers = dict(scope.get("headers") or [])
@@ -66,7 +90,7 @@ class Guard:
             if host_name(host) not in self.hosts:
                 return 400, error_bytes(f"the Host header {host!r} is not a host this server answers for "
                                         "(specgraph serve --allowed-hosts)", param="Host", code="invalid_host")
-        if self.key is not None and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        if self.key is not None and route_path(scope) not in OPEN_ROUTES:
             token = bearer_token(headers.get(b"authorization", b""))
             if token is None or not hmac.compare_digest(token, self.key):
                 return 401, error_bytes("missing or incorrect API key: send Authorization: Bearer <key>",
@@ -86,4 +110,5 @@ class Guard:
         await self.app(scope, receive, send)
 
 
-__all__ = ["Guard", "LOCAL_HOSTS", "default_hosts", "host_name", "error_body", "error_bytes"]
+__all__ = ["Guard", "LOCAL_HOSTS", "OPEN_ROUTES", "checked_api_key", "default_hosts", "host_name", "route_path",
+           "error_body", "error_bytes"]

@@ -6,7 +6,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from specgraph.serving.guard import LOCAL_HOSTS
+from specgraph.serving.guard import LOCAL_HOSTS, checked_api_key
 
 
 @dataclass
@@ -36,9 +36,12 @@ class ServeConfig:
     refine: str = "auto"  # specgraph.compile's refine: when the graphs of batch buckets above 1 are built
     attention: str = "auto"  # specgraph.compile's attention: "block_sparse" (CPU default) or "sdpa"
     packed_prefill: bool = True  # specgraph.compile's packed_prefill: prompt chunks through a compiled graph
-    api_key: str | None = None  # the key /v1 routes require (Authorization: Bearer); None: none
+    api_key: str | None = None  # the key (Authorization: Bearer) all routes but /health, /metrics need; None: none
     allowed_hosts: tuple[str, ...] | None = LOCAL_HOSTS  # the names a Host header may carry; None: any
     max_prompt_chars: int | None = None  # longest prompt tokenized (None: 32 characters per token of max_seq_len)
+
+    def __post_init__(self):
+        checked_api_key(self.api_key)
 
 
 def _say(cfg: ServeConfig, msg: str) -> None:

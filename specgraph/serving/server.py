@@ -20,12 +20,14 @@ carries ``token_ids``: the generated token ids.
 Hostile clients (:mod:`specgraph.serving.guard` checks the first two on every request):
 
 - the Host header must name an allowed host (400 ``invalid_host``; DNS rebinding);
-- with an API key, ``/v1`` routes need ``Authorization: Bearer <key>`` (401); ``/health`` and
-  ``/metrics`` stay open;
+- with an API key, every route needs ``Authorization: Bearer <key>`` (401; the ``/v1`` routes,
+  FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json``) but ``/health`` and ``/metrics``, which
+  stay open, wherever the app is mounted;
 - a POST must be ``Content-Type: application/json`` (415: a cross-site form or ``fetch`` cannot
   send it without the browser asking first);
-- a body past ``max_body_bytes`` is a 413 before it is read, a prompt (or messages' text) past
-  ``max_prompt_chars`` a 400 (``context_length_exceeded``) before it is tokenized;
+- a body past ``max_body_bytes`` is a 413 before it is read, a prompt (or messages' text: their
+  strings, and the JSON text of any other value a template may print) past ``max_prompt_chars``
+  a 400 (``context_length_exceeded``) before it is tokenized;
 - parsing, tokenizing and the chat template run in a worker thread, not on the event loop;
 - any error in a client's input (its JSON, a template that fails on its messages, text the
   tokenizer cannot take) is a 400 with OpenAI's error body; a fault of the server's is a 500
@@ -43,7 +45,7 @@ import time
 import uuid
 
 from specgraph.serving.engine import EngineStopped, Event, QueueFull, ServeRequest, ServingEngine
-from specgraph.serving.guard import LOCAL_HOSTS, Guard, error_body, error_bytes
+from specgraph.serving.guard import LOCAL_HOSTS, Guard, checked_api_key, error_body, error_bytes
 from specgraph.serving.text import TextTracker
 
 REQUEST_TIMEOUT = 600.0  # seconds from arrival to the last token
@@ -56,6 +58,21 @@ BODY_BYTES_PER_CHAR = 8  # a body may spell each prompt character as a JSON esca
 BODY_EXTRA_BYTES = 1 << 20  # ... plus the other fields
 MAX_STOPS = 16  # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 1000  # each round looks for the stop strings in this many characters before its new text
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """What a request's values can make parsing raise: wrong types and values (the tokenizer's
+    errors among them: a lone surrogate is a TypeError), deep nesting, numbers too large for a
+    float, and the chat template's errors."""
+    errors = (ValueError, TypeError, LookupError, ArithmeticError, RecursionError)
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # no chat templates without jinja2
+        return errors
+    return (*errors, TemplateError)
+
+
+CLIENT_ERRORS = _client_errors()
 
 # fields that do not change the output: accepted and ignored, whatever their value
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options"}
@@ -91,15 +108,15 @@ def _flag(body: dict, name: str) -> bool:
     return v
 
 
-def _text_chars(x) -> int:
-    """Characters in the strings of a JSON value (keys included)."""
+def _rendered_chars(x) -> int:
+    """About the most characters a chat template renders from a JSON value: a string's length,
+    an object's keys and values, and for any other value (a list, a number) the length of its
+    JSON text, about what a template that prints it renders (``[1, 2]``)."""
     if isinstance(x, str):
         return len(x)
     if isinstance(x, dict):
-        return sum(_text_chars(k) + _text_chars(v) for k, v in x.items())
-    if isinstance(x, list):
-        return sum(_text_chars(v) for v in x)
-    return 0
+        return sum(len(k) + _rendered_chars(v) for k, v in x.items())
+    return len(json.dumps(x, ensure_ascii=False))
 
 
 FILTER_HINT = "start it with {flag} {value}"  # a server of a model: the filters are serve flags
@@ -218,7 +235,7 @@ class OpenAIServer:
             raise RequestError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
         if not getattr(self.tok, "chat_template", None):
             raise RequestError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
-        self._check_prompt_chars(_text_chars(msgs), "messages")
+        self._check_prompt_chars(sum(_rendered_chars(m) for m in msgs), "messages")
         try:
             out = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         except Exception as e:  # noqa: BLE001 - the template's error on these messages (or their text's)
@@ -255,12 +272,13 @@ class OpenAIServer:
     async def parse(self, body: dict, chat: bool) -> tuple[ServeRequest, TextTracker, int | None]:
         """:meth:`build` in a worker thread: tokenizing a long prompt, or rendering a chat
         template, does not hold up the event loop (other requests' streams, /health). Client input
-        that fails in a way :meth:`build` does not name is still the client's: a 400."""
+        that fails in a way :meth:`build` does not name (``CLIENT_ERRORS``) is still the client's:
+        a 400; any other exception is a fault of the server's (500)."""
         try:
             return await asyncio.to_thread(self.build, body, chat)
         except RequestError:
             raise
-        except Exception as e:  # noqa: BLE001
+        except CLIENT_ERRORS as e:
             raise RequestError(400, f"the request cannot be read: {type(e).__name__}: {e}") from e
 
     # ------------------------------------------------------------------------------------------
@@ -486,7 +504,8 @@ def create_app(engine: ServingEngine, tokenizer, model_name: str, *, request_tim
     requests still queued or running then get an error (503), none hangs. ``filter_hint``: what a
     400 for an unserved top-k / top-p / min-p tells the client to do ({flag}, {value}).
 
-    ``api_key``: the key ``/v1`` routes require (``Authorization: Bearer``), None for none.
+    ``api_key``: the key every route but ``/health`` and ``/metrics`` requires
+    (``Authorization: Bearer``), None for none; an empty string is an error (ValueError).
     ``allowed_hosts``: the host names the Host header may carry (any port; None: any host); the
     default is the loopback names. ``max_prompt_chars``: the longest prompt string (or total
     text of the messages) tokenized; default ``PROMPT_CHARS_PER_TOKEN`` per token of
@@ -496,6 +515,7 @@ def create_app(engine: ServingEngine, tokenizer, model_name: str, *, request_tim
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
+    checked_api_key(api_key)  # now, not at the first request (Starlette builds middleware then)
     server = OpenAIServer(engine, tokenizer, model_name, request_timeout=request_timeout, filter_hint=filter_hint,
                           max_prompt_chars=max_prompt_chars)
     if max_body_bytes is None:
@@ -528,11 +548,14 @@ def create_app(engine: ServingEngine, tokenizer, model_name: str, *, request_tim
                         media_type="application/json")
 
     async def read_body(request: Request) -> bytes:
-        """The body, refused (413) past ``max_body_bytes`` before more of it is read."""
+        """The body, refused (413) past ``max_body_bytes`` before more of it is read; a
+        Content-Length that is not ASCII digits is a 400 (``"²".isdigit()`` holds)."""
         too_big = RequestError(413, f"the request body is larger than this server reads ({max_body_bytes} bytes)",
                                code="request_too_large")
         size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
+        if size is not None and not (size.isascii() and size.isdigit()):
+            raise RequestError(400, f"the Content-Length header {size!r} is not a number", param="Content-Length")
+        if size is not None and int(size) > max_body_bytes:
             raise too_big
         chunks, n = [], 0
         async for chunk in request.stream():

@@ -98,6 +98,35 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>")
 
 
+def clean_up_tokenizer():
+    """A byte-level tokenizer whose decode cleans up tokenization spaces
+    (``clean_up_tokenization_spaces``, which some models' tokenizer configs set): the space
+    before punctuation and contractions goes (" ," -> ",", " ' " -> "'", " n't" -> "n't"), so a
+    token may change the text before it."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<s>", "</s>", "Hello", "Ġ", ",", "Ġworld", "Ġ.", ".", "'", "Ġ'", "m", "s", "n", "Ġn", "'t", "t", "?",
+              "!", "ve", "Ġ,", "a", "Ġa", "Ã", "©", "Ġ'm", "ĠĠ"]  # "Ã" "©": the bytes of "é"
+    tk = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="a"))
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                   clean_up_tokenization_spaces=True)
+
+
+def sentencepiece_tokenizer():
+    """A SentencePiece-style tokenizer with Llama 2's decoder: "▁" is a space, ``<0x..>`` tokens
+    are bytes, and the text's first space is stripped (so a word decoded first has none)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "▁the", "▁word", "▁", "▁▁", "a", "▁a", ".", "<0x0A>", "<0xC3>", "<0xA9>"]
+    tk = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
 def shortest_stop_prefix(tok, ids, stops):
     """The reference: the fewest leading tokens whose whole decoded text contains a stop string."""
     for n in range(1, len(ids) + 1):
@@ -107,29 +136,54 @@ def shortest_stop_prefix(tok, ids, stops):
     return None
 
 
+def token_units(tok):
+    """What a model may output with ``tok``, a unit at a time: each token, "é" as its two byte
+    tokens (a model's output is UTF-8), and runs of 1 to 6 special tokens."""
+    vocab = tok.get_vocab()
+    units = [[i] for p, i in sorted(vocab.items(), key=lambda x: x[1]) if p not in ("<0xC3>", "<0xA9>", "<unk>")]
+    if "<0xC3>" in vocab:
+        units.append([vocab["<0xC3>"], vocab["<0xA9>"]])
+    return units + [[tok.eos_token_id] * n for n in range(1, 7)] + [[tok.bos_token_id, tok.eos_token_id] * 2]
+
+
 @pytest.fixture(scope="module")
 def tokenizers_(char_tokenizer):
-    return {"char": char_tokenizer(), "byte": byte_tokenizer()}
+    return {"char": char_tokenizer(), "byte": byte_tokenizer(), "clean-up": clean_up_tokenizer(),
+            "sentencepiece": sentencepiece_tokenizer()}
 
 
 CHARS = "ab c.\n" + "é中😀"
 
 
-@settings(max_examples=200, deadline=None)
-@given(kind=st.sampled_from(["char", "byte"]), text=st.text(alphabet=CHARS, min_size=1, max_size=40),
-       spans=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), max_size=3),
-       others=st.lists(st.text(alphabet=CHARS, min_size=1, max_size=4), min_size=1, max_size=13),
-       rounds=st.lists(st.integers(1, 6), min_size=1, max_size=60), eos_at=st.sets(st.integers(0, 40), max_size=4))
-def test_stop_cut_is_the_shortest_prefix_with_a_stop(tokenizers_, kind, text, spans, others, rounds, eos_at):
-    """Fed the output round by round, stop_cut answers, at the round that completes the first stop
-    string, the fewest tokens whose text contains it; and the streamed deltas join to the text
-    before it (special tokens, without text, among the output; multi-byte characters split).
-    Stop strings: pieces of the text and others."""
-    tok = tokenizers_[kind]
-    stops = [text[i: i + n] for i, n in spans if text[i: i + n]] + others
+def output_ids(tok, kind, text, units, eos_at):
+    """A model's output: the tokens of ``text`` with end-of-sequence tokens at ``eos_at`` (char,
+    byte), or the tokenizer's units picked by ``units`` (clean-up, sentencepiece)."""
+    if kind in ("clean-up", "sentencepiece"):
+        choices = token_units(tok)
+        return [i for u in units for i in choices[u % len(choices)]]
     ids = tok(text, add_special_tokens=False).input_ids
     for j in sorted(eos_at, reverse=True):
         ids.insert(min(j, len(ids)), tok.eos_token_id)
+    return ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(kind=st.sampled_from(["char", "byte", "clean-up", "sentencepiece"]),
+       text=st.text(alphabet=CHARS, min_size=1, max_size=40),
+       units=st.lists(st.integers(0, 99), min_size=1, max_size=30),
+       spans=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), max_size=3),
+       others=st.lists(st.text(alphabet=CHARS + ",'", min_size=1, max_size=4), min_size=1, max_size=13),
+       rounds=st.lists(st.integers(1, 6), min_size=1, max_size=60), eos_at=st.sets(st.integers(0, 40), max_size=4))
+def test_stop_cut_is_the_shortest_prefix_with_a_stop(tokenizers_, kind, text, units, spans, others, rounds, eos_at):
+    """Fed the output round by round, stop_cut answers, at the round that completes the first stop
+    string, the fewest tokens whose whole decode contains it; and the streamed deltas join to the
+    text before it. Outputs with special tokens (without text, in runs) and split multi-byte
+    characters; decoders that strip the text's first space or remove a space before punctuation.
+    Stop strings: pieces of the text and others."""
+    tok = tokenizers_[kind]
+    ids = output_ids(tok, kind, text, units, eos_at)
+    text = tok.decode(ids, skip_special_tokens=True)
+    stops = [text[i: i + n] for i, n in spans if text[i: i + n]] + others
     want = shortest_stop_prefix(tok, ids, stops)
     cutter, streamer = TextTracker(tok, stops), TextTracker(tok, stops)
     end, got, streamed = 0, None, ""
@@ -146,6 +200,45 @@ def test_stop_cut_is_the_shortest_prefix_with_a_stop(tokenizers_, kind, text, sp
     assert not any(s in streamed for s in stops)
 
 
+@pytest.mark.parametrize("kind, pieces, stops, cut, text", [
+    ("clean-up", ["Hello", "Ġ", ",", "Ġworld"], [], None, "Hello, world"),  # "," takes the space before it
+    ("clean-up", ["Hello", "Ġ", ",", "Ġworld"], ["o,"], 3, "Hell"),
+    ("clean-up", ["Ġ", "'", "Ġ'"], ["''"], 3, ""),  # " ' '" -> "''": the window needs the first space
+    ("clean-up", ["Ġ'", "s"], ["s"], 2, "'"),  # " 's" -> "'s": the stream holds the space back
+    ("clean-up", ["ve", "Ġa", "Ġ'", "Ġ"], ["e a'"], 4, "v"),  # the stop appears as a space before it goes
+    ("sentencepiece", ["▁the"] + ["</s>"] * 5 + ["▁word"], [], None, "the word"),  # " word" is not the first word
+    ("sentencepiece", ["▁the"] + ["</s>"] * 5 + ["▁word"], [" word"], 7, "the"),
+])
+def test_text_is_the_whole_decode(tokenizers_, kind, pieces, stops, cut, text):
+    """Tokens that change the text before them (a space cleaned up before punctuation), and a
+    word after a run of special tokens (it keeps its leading space): fed a token at a time,
+    stop_cut and the streamed deltas follow the decode of the whole output."""
+    tok = tokenizers_[kind]
+    ids = tok.convert_tokens_to_ids(pieces)
+    assert shortest_stop_prefix(tok, ids, stops) == cut
+    cutter, streamer = TextTracker(tok, stops), TextTracker(tok, stops)
+    got, streamed = None, ""
+    for n in range(1, len(ids) + 1):
+        got = cutter.stop_cut(ids[:n])
+        if got is not None:
+            break
+        streamed += streamer.delta(ids[:n], False)
+    assert got == cut
+    assert streamed + streamer.delta(ids[: got or len(ids)], True) == text
+
+
+def test_last_delta_adds_nothing_to_a_stream_the_decode_changed(tokenizers_):
+    """A later token may change text already streamed (with a byte-fallback decoder, an invalid
+    byte turns the newline byte before it into a replacement character): no text after the
+    streamed text would then be the whole decode's, and the last delta adds nothing."""
+    tok = tokenizers_["sentencepiece"]
+    ids = tok.convert_tokens_to_ids(["▁a", "<0x0A>", "<0xA9>"])
+    assert tok.decode(ids, skip_special_tokens=True) == "a\ufffd\ufffd"
+    streamer = TextTracker(tok, [])
+    assert "".join(streamer.delta(ids[:n], False) for n in range(1, len(ids) + 1)) == "a\n"
+    assert streamer.delta(ids, True) == ""
+
+
 class CountingTokenizer:
     """A tokenizer whose decode counts the tokens it is given."""
 
@@ -155,6 +248,9 @@ class CountingTokenizer:
     def decode(self, ids, **kw):
         self.decoded += len(ids)
         return self.tok.decode(ids, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
 
 
 def decoded_per_round(tok, n_tokens, round_size=5):
@@ -181,6 +277,24 @@ def test_stop_check_work_per_round_does_not_grow_with_the_output(char_tokenizer)
     short, long = decoded_per_round(tok, 200), decoded_per_round(tok, 2000)
     assert max(long) == max(short) <= 60, (max(short), max(long))
     assert long[-1] <= 60  # the round that completes the stop string
+
+
+def test_text_work_per_round_does_not_grow_over_special_tokens(char_tokenizer):
+    """Special tokens decode to nothing: over a run of them (a model repeating its end-of-sequence
+    token under ignore_eos), each round's stop check and stream decode a bounded number of
+    tokens, as over text."""
+    tok = char_tokenizer()
+    ids = tok("the cat", add_special_tokens=False).input_ids + [tok.eos_token_id] * 2000
+    counting = CountingTokenizer(tok)
+    cutter, streamer = TextTracker(counting, ["STOP"]), TextTracker(counting, [])
+    per_round = []
+    for end in range(5, len(ids) + 5, 5):
+        before = counting.decoded
+        assert cutter.stop_cut(ids[:end]) is None
+        streamer.delta(ids[:end], False)
+        per_round.append(counting.decoded - before)
+    assert max(per_round) <= 60, max(per_round)
+    assert streamer.delta(ids, True) == "" and streamer.sent == len("the cat")
 
 
 def test_many_stop_strings_over_http(served):
@@ -283,6 +397,25 @@ def test_long_prompt_refused_before_tokenizing(served, monkeypatch):
     conn.close()
 
 
+def test_messages_limit_counts_values_that_are_not_text(served, monkeypatch):
+    """Message values that are not strings (content as a list of numbers) count the length of
+    their JSON text toward the character limit, about what a template printing them renders: a
+    body of them is refused before the template runs."""
+    model, tok, engine, live, server = served
+    rendered = []
+    monkeypatch.setattr(tok, "chat_template", "{{ messages[0]['content'] }}")
+    real = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **kw: rendered.append(1) or real(*a, **kw))
+    content = [0] * (server.max_prompt_chars // 2)  # 3 characters each as text: "0, "
+    status, body = call(live, "POST", "/v1/chat/completions",
+                        {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert_openai_error(status, body, 400, "context_length_exceeded")
+    assert rendered == []
+    status, _ = call(live, "POST", "/v1/chat/completions",
+                     {"model": "tiny", "messages": [{"role": "user", "content": [1, 2]}], "max_tokens": 2})
+    assert status == 200 and rendered == [1]
+
+
 # ----------------------------------------------------------------------------------------------
 # cross-site requests, DNS rebinding, the API key
 
@@ -339,6 +472,49 @@ def test_api_key_guards_v1_routes(served):
     assert call(live, "GET", "/metrics", headers={"Authorization": None})[0] == 200
 
 
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/no-such-route"])
+def test_api_key_guards_every_other_route(served, path):
+    """With an API key, the routes FastAPI adds (the API's description and its pages) and paths
+    no route serves need it too: only /health and /metrics are open."""
+    model, tok, engine, live, _ = served
+    status, r = call(live, "GET", path, headers={"Authorization": None})
+    assert_openai_error(status, r, 401, "invalid_api_key")
+    assert call(live, "GET", path)[0] == (404 if path == "/no-such-route" else 200)
+
+
+def test_api_key_guards_routes_under_a_path_prefix(served):
+    """Mounted under a prefix, or served under a proxy's root_path, the app asks for the key on
+    the same routes (the path its routes match is the request's less the prefix)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    model, tok, engine, live, _ = served
+    app = create_app(engine, tok, "tiny", api_key=KEY)  # not started: /v1/models needs no scheduler
+    outer = FastAPI()
+    outer.mount("/llm", app)
+    for client, prefix in ((TestClient(outer, base_url="http://localhost"), "/llm"),
+                           (TestClient(app, base_url="http://localhost", root_path="/api"), "/api")):
+        for path in ("/v1/models", "/openapi.json"):
+            assert_openai_error(*json_of(client.get(prefix + path)), 401, "invalid_api_key")
+            assert client.get(prefix + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert client.get(prefix + "/health").status_code == 200
+
+
+def json_of(response):
+    return response.status_code, response.json()
+
+
+def test_empty_api_key_is_refused():
+    """An empty API key is a configuration error, not a key that an empty Bearer token matches."""
+    from specgraph.serving.launch import ServeConfig
+
+    with pytest.raises(ValueError, match="api_key must be a non-empty string"):
+        create_app(None, None, "tiny", api_key="")
+    with pytest.raises(ValueError, match="api_key must be a non-empty string"):
+        ServeConfig(api_key="")
+    assert ServeConfig(api_key="k").api_key == "k" and ServeConfig().api_key is None
+
+
 def serve_args(*argv):
     from specgraph.cli import build_parser
 
@@ -359,6 +535,9 @@ def test_serve_flags_set_key_hosts_and_prompt_limit(monkeypatch):
     monkeypatch.setenv("SPECGRAPH_API_KEY", "from-env")
     assert _serve_guard_settings(serve_args())["api_key"] == "from-env"
     assert _serve_guard_settings(serve_args("--api-key", "flag"))["api_key"] == "flag"
+    monkeypatch.setenv("SPECGRAPH_API_KEY", "")  # empty: no key
+    assert _serve_guard_settings(serve_args())["api_key"] is None
+    assert _serve_guard_settings(serve_args("--api-key", ""))["api_key"] is None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -444,6 +623,55 @@ def test_chat_template_errors_are_400(served, monkeypatch):
     status, body = call(live, "POST", "/v1/chat/completions",
                         {"model": "tiny", "messages": [{"role": "user", "content": [1, 2]}], "max_tokens": 2})
     assert_openai_error(status, body, 400)
+
+
+def test_server_fault_while_parsing_is_500(served, monkeypatch):
+    """An exception that client input cannot cause, raised while a request is parsed, is the
+    server's fault: a 500 with OpenAI's error body, not a 400."""
+    model, tok, engine, live, server = served
+
+    def broken(body):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server, "_sampling", broken)
+    status, body = call(live, "POST", "/v1/completions", {"model": "tiny", "prompt": "abc", "max_tokens": 2})
+    assert_openai_error(status, body, 500)
+    assert body["error"]["type"] == "server_error"
+
+
+def asgi_post(app, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[int, dict]:
+    """(status, JSON body) of a POST /v1/completions handed to the ASGI app itself, its headers
+    as raw bytes (no HTTP parser in between to refuse them)."""
+    import asyncio
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+
+
+@pytest.mark.parametrize("length", ["\u00b2", "1\u00b9", "-1", "", "0x10"])
+def test_content_length_that_is_not_a_number_is_400(served, length):
+    """A Content-Length that is not ASCII digits ("²" is a digit to str.isdigit, not to int) gets
+    a 400 naming it."""
+    model, tok, engine, live, _ = served
+    app = create_app(engine, tok, "tiny", api_key=KEY)  # not started: the body is refused before it runs
+    body = b'{"model": "tiny", "prompt": "abc", "max_tokens": 2}'
+    headers = [(b"host", b"localhost"), (b"content-type", b"application/json"),
+               (b"authorization", f"Bearer {KEY}".encode()), (b"content-length", length.encode("latin-1"))]
+    status, r = asgi_post(app, headers, body)
+    assert_openai_error(status, r, 400)
+    assert r["error"]["param"] == "Content-Length"
 
 
 def test_server_faults_are_500_with_a_json_body(served, monkeypatch):
