@@ -86,8 +86,9 @@ def main(argv=None) -> int:
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     draft = LlamaPromptLookupDecoding(num_pred_tokens=args.num_pred_tokens) if args.method == "lookup" else None
+    # logits_all with a draft: llama-cpp-python sizes its logits buffer by this argument, not by the draft
     llm = Llama(model_path=path, n_ctx=args.max_seq_len, n_threads=args.threads, n_threads_batch=args.threads,
-                n_batch=512, draft_model=draft, seed=0, verbose=False)
+                n_batch=512, draft_model=draft, logits_all=draft is not None, seed=0, verbose=False)
     startup_s = time.perf_counter() - t0
     eos = {int(t) for t in args.eos.split(",") if t} or {llm.token_eos()}
     generate(llm, prompts[0][:16], 8, eos)  # warm-up

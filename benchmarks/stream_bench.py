@@ -186,6 +186,7 @@ def llamacpp_rows(args, prompts, ref, calls, eos) -> list[dict]:
             line = next(ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("llamacpp_stream result: "))
             got = json.loads(line[len("llamacpp_stream result: "):])
             outs = got.pop("outputs")
+            got["method"] = f"llama.cpp {'GGUF file' if precision == 'shipped' else precision.upper()} {method}"
             equal = None if not hf_tokens else sum(a == b for a, b in zip(outs, hf_tokens))
             rows.append({**got, "rounds": 0, "builds_in_stream": 0, "load_s": got.pop("startup_s"), "build_s": 0.0,
                          "equal_to_hf": None if equal is None else equal == len(hf_tokens),
