@@ -872,9 +872,10 @@ def cmd_bench(args) -> int:
         model, tok = _load_model_reporting(args.model, args, dtype=dtype, device=device)
         backend = args.backend or "inductor"
         _progress(args, f"building the greedy graphs ({backend}) ...")
-        jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=_seq_bucket(2, model), backend=backend,
-                                modes=("greedy",),
-                                progress=not getattr(args, "quiet", False))
+        from specgraph.limits import resolve_max_seq_len
+
+        jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=resolve_max_seq_len(model, None, 1024),
+                                backend=backend, modes=("greedy",), progress=not getattr(args, "quiet", False))
         methods[f"specgraph ngram K=4 (JIT{', eager' if backend == 'eager' else ''})"] = jit
         settings = {"source": "model", "draft": "ngram", "num_speculative_tokens": jit.k, "backend": backend,
                     "device": str(device), "dtype": args.dtype or "float32"}
