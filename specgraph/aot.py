@@ -337,7 +337,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
     """The body of :func:`compile_dir`, writing into ``out`` (a fresh staging directory)."""
     import specgraph
 
-    top_vocab = model.get_output_embeddings().weight.shape[0]
+    top_vocab = model.get_output_embeddings().out_features
     fast = specgraph.compile(model, draft, num_speculative_tokens=num_speculative_tokens, tree=tree, backend="eager",
                              max_batch_size=max_batch_size,
                              max_seq_len=resolve_max_seq_len(model, max_seq_len, default=DIR_MAX_SEQ_LEN), warmup=False,

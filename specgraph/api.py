@@ -3,7 +3,7 @@ depth policy (:mod:`specgraph.adaptive` for ``num_speculative_tokens="auto"``), 
 built or served from the persistent graph cache (:mod:`specgraph.graphcache`)."""
 from __future__ import annotations
 
-from specgraph import adaptive, compiler, graphcache, learned, proposers
+from specgraph import adaptive, compiler, graphcache, learned, precision, proposers
 from specgraph.compiler import EngineConfig, SpecGraphModel, resolve_autotune
 from specgraph.graphset import MODES
 from specgraph.planner import as_plan
@@ -18,7 +18,8 @@ def compile(
     backend: str = "inductor",
     max_batch_size: int = 8,
     max_seq_len: int | None = None,
-    freeze: bool = True,
+    freeze: bool | None = None,
+    weights: str | None = None,
     depths=None,
     plan=None,
     autotune="auto",
@@ -53,9 +54,19 @@ def compile(
     length; after that ``generate`` does not compile. ``warmup=False`` builds each graph on its
     first use instead. ``modes``: the sampling modes to build, ``("greedy", "sample")`` by default.
 
+    ``weights``: the precision of the weights the compiled object runs (:mod:`specgraph.precision`):
+    ``"float32"``, ``"bfloat16"``, ``"int8"`` (weight-only, a scale per output channel), ``"int4"``
+    (weight-only, a scale and offset per 32 inputs) or ``"native"`` (a GGUF model at its file's own
+    precision). None (default): ``"native"`` for a model loaded from GGUF, else ``"float32"``.
+    The target is the model at that precision, ``fast.model`` (``specgraph.quantize(model,
+    weights)``): greedy output equals ``fast.model.generate``, and sampling follows its law.
+    ``model`` itself is left as it is.
+
     ``freeze=True`` lets Inductor treat the weights as constants (faster matmuls on CPU); each
     compiled graph then holds its own prepacked copy of the weights, and later changes to the
-    model's weights are not seen. ``freeze=False`` saves that memory. The copies of all objects of
+    model's weights are not seen. ``freeze=False`` saves that memory: every graph reads the one
+    copy of the weights. None (default): frozen for ``weights="float32"``; the other precisions
+    run the weight-pack kernels on the one copy, unfrozen. The copies of all objects of
     a process are kept within a budget (half the machine's memory, or ``SPECGRAPH_FREEZE_BUDGET_GB``;
     :mod:`specgraph.freezing`): past it, further graphs compile unfrozen, with a warning;
     ``fast.graph_frozen`` says which graphs were frozen.
@@ -125,7 +136,7 @@ def compile(
     requests build nothing either.
     """
     fast = _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze, depths,
-                   plan, autotune, tree_nodes, attention)
+                   plan, autotune, tree_nodes, attention, weights)
     if not (compiler.WARMUP_BY_DEFAULT if warmup is None else warmup) or fast.fallback_reason is not None:
         return fast
     if graphcache.enabled(cache):
@@ -141,9 +152,13 @@ def compile(
 
 
 def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze, depths, plan,
-            autotune, tree_nodes, attention="auto") -> SpecGraphModel:
+            autotune, tree_nodes, attention="auto", weights=None) -> SpecGraphModel:
     """The compiled object, its depths set (``num_speculative_tokens="auto"``: the adaptive
     policy, :mod:`specgraph.adaptive`), nothing built yet."""
+    weights = precision.resolve(weights, model)
+    model = precision.model_at(model, weights)
+    if freeze is None:
+        freeze = weights == "float32"
     auto = isinstance(num_speculative_tokens, str)
     if auto:
         if num_speculative_tokens != "auto":

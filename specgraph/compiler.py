@@ -30,6 +30,7 @@ from specgraph.packing import packed_layout
 from specgraph.capture import (Step, UnsupportedModel, capture_step, check_supported, full_width, layer_windows,
                                new_kv_cache, uses_alibi)
 from specgraph.eager import GenerationStats as Stats
+from specgraph import precision
 from specgraph.freezing import BUDGET as FREEZE_BUDGET, ENV_BUDGET as FREEZE_ENV, weight_bytes
 from specgraph.limits import check_kv_fits, resolve_max_seq_len
 from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set, with_logits
@@ -104,8 +105,8 @@ def _check_draft_model(target, draft) -> None:
     check_servable(draft)
     if draft.training:
         raise ValueError("put the draft model in eval mode first (draft.eval())")
-    tv = target.get_output_embeddings().weight.shape[0]
-    dv = draft.get_output_embeddings().weight.shape[0]  # check_servable: it has an LM head
+    tv = target.get_output_embeddings().out_features
+    dv = draft.get_output_embeddings().out_features  # check_servable: it has an LM head
     if dv != tv:
         raise ValueError(
             f"vocabulary mismatch: target has {tv} output tokens, draft has {dv}; the draft must share the "
@@ -234,9 +235,12 @@ def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sd
     frozen weights only). No autotune tables or stats reach the user's terminal.
     On CPU the per-step elementwise kernels are tiny: one OpenMP region each costs more than it
     saves, so they run single-threaded (GEMMs still use all threads); a block-sparse attention
-    kernel is built for :func:`kernel_threads` threads whatever that setting says."""
+    kernel is built for :func:`kernel_threads` threads whatever that setting says.
+    Low-precision (bf16 / fp16) results are rounded after each operation as eager rounds them
+    (``emulate_precision_casts``), not kept in fp32 through a fused kernel: the compiled rounds
+    then compute the model's own law (greedy output equal to ``model.generate``)."""
     memoize_kernel_templates()
-    config = {"freezing": freeze}
+    config = {"freezing": freeze, "emulate_precision_casts": True}
     if autotune:
         config.update(max_autotune=True,
                       max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
@@ -413,6 +417,7 @@ class SpecGraphModel:
         cfg = self.config = config
         draft_model = cfg.draft_model
         self.model = model
+        self.weights = precision.as_given(model)  # the precision the target runs at (specgraph.precision)
         self.draft, self.draft_model = cfg.draft, cfg.draft_model
         self.suffix_index, self.chain_drafter = cfg.suffix_index, cfg.chain_drafter
         self.tree, self.tree_rank, self.tree_nodes, self.tree_choice = cfg.tree, cfg.tree_rank, cfg.tree_nodes, cfg.tree_choice
@@ -810,7 +815,7 @@ class SpecGraphModel:
 
     @property
     def vocab(self) -> int:
-        return self.model.get_output_embeddings().weight.shape[0]
+        return self.model.get_output_embeddings().out_features
 
     def logits_spec(self, generation_config) -> LogitsSpec | None:
         """The logits processors requests with ``generation_config`` run (None: none)."""

@@ -147,7 +147,7 @@ class ReplayDrafter(ChainDrafter):
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=pad, **kw)
             conts[tuple(int(t) for t in p)] = out[0, ids.shape[1]:].tolist()
-        V = model.get_output_embeddings().weight.shape[0]
+        V = model.get_output_embeddings().out_features
         return cls(conts, beta, V, seed)
 
     def start(self, rows, batch, device) -> None:

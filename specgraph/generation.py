@@ -269,7 +269,7 @@ def resolve(model, input_ids, generation_config=None, *, logits_processor=None, 
     pad_given = cfg.pad_token_id is not None
     pad = int(_token_list(cfg.pad_token_id)[0]) if pad_given else (eos[0] if eos else 0)
     if vocab is None:
-        vocab = model.get_output_embeddings().weight.shape[0]
+        vocab = model.get_output_embeddings().out_features
     spec = _logits_spec(cfg, eos, T, vocab)
     nrs = int(cfg.num_return_sequences or 1)
     return GenerationRequest(

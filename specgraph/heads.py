@@ -280,11 +280,11 @@ class TargetBound(nn.Module):
         out = target_model.get_output_embeddings()
         if out is None or getattr(out, "weight", None) is None:
             raise ValueError(f"{type(target_model).__name__} has no output embedding (LM head) to share")
-        if emb.shape[0] < self.config["vocab_size"] or out.weight.shape[0] < self.config["vocab_size"] \
+        if emb.shape[0] < self.config["vocab_size"] or out.out_features < self.config["vocab_size"] \
                 or emb.shape[1] != self.config["hidden_size"]:
             raise HeadMismatchError(
                 f"head shapes (vocab {self.config['vocab_size']}, hidden {self.config['hidden_size']}) do not fit "
-                f"the target (embedding {tuple(emb.shape)}, LM head {tuple(out.weight.shape)})")
+                f"the target (embedding {tuple(emb.shape)}, LM head of {out.out_features} outputs)")
         d2t = self.d2t.to(out.weight.device)
         with torch.no_grad():
             self.embed_weight = emb.detach()

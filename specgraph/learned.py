@@ -157,7 +157,7 @@ def measure_tree_costs(model, head, query_sizes, head_rows, context: int = 128, 
 
     dev = next(model.parameters()).device
     p = next(head.parameters())
-    V = model.get_output_embeddings().weight.shape[0]
+    V = model.get_output_embeddings().out_features
     S = context + max(*query_sizes, *head_rows) + 1
     ids = (torch.arange(S, device=dev) * 7919 % V).unsqueeze(0)
     step, kv = Step(model), new_kv_cache(model, 1, S)  # the round's step (slot KV cache), uncompiled
@@ -228,7 +228,7 @@ def measure_compiled_tree_costs(model, head, query_sizes, head_rows, *, backend:
     try:
         curve = CostCurve.fit(measure_round_costs(tmp, [1], pts, context, repeats, progress))
         target = {n: curve(n, 1) for n in sorted(set(query_sizes))}
-        heads = time_head_steps(head, head_rows, context, tmp.slots, model.get_output_embeddings().weight.shape[0],
+        heads = time_head_steps(head, head_rows, context, tmp.slots, model.get_output_embeddings().out_features,
                                 repeats, lambda fn: tmp._compiled("head_cost", fn, weights=(head,)), progress)
     finally:
         del tmp
@@ -391,7 +391,7 @@ class _HeadDrafter:
 
     def __init__(self, sg, head):
         self.sg, self.head = sg, head
-        self.V = sg.model.get_output_embeddings().weight.shape[0]
+        self.V = sg.model.get_output_embeddings().out_features
         self.H = head.config["hidden_size"]
         self.Vd = head.draft_vocab_size
         # drafts are target ids; the draft index -> target id map is skipped when it is the identity

@@ -449,7 +449,7 @@ def export_onnx(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     p = next(model.parameters())
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features
     top_k, top_p, min_p = normalize_filters(vocab, top_k, top_p, min_p)
     if "sample" in modes:  # validate through the library's own checks
         from specgraph.warping import check_sampling_params

@@ -228,7 +228,7 @@ def measure_draft_costs(fast, batch_sizes, context: int, repeats: int = 5, progr
     from specgraph.warping import SamplingParams
 
     device = next(fast.model.parameters()).device
-    V = fast.model.get_output_embeddings().weight.shape[0]
+    V = fast.model.get_output_embeddings().out_features
     width = attend_width(context + fast.span, fast.slots, fast.min_attend, fast.width_step)
     step, per_round = {}, {}
     g = torch.Generator().manual_seed(1)

@@ -51,7 +51,7 @@ def measure_round_costs(fast, batch_sizes, grid, context: int, repeats: int = 5,
     monotone in N, and a slow stretch of a shared host spreads over every shape instead of
     landing on one."""
     device = next(fast.model.parameters()).device
-    V = fast.model.get_output_embeddings().weight.shape[0]
+    V = fast.model.get_output_embeddings().out_features
     width = attend_width(context + max(grid), fast.slots, fast.min_attend, fast.width_step)
     params = SamplingParams(0.0)
     g = torch.Generator().manual_seed(0)

@@ -1094,7 +1094,7 @@ def run(args, *, model=None, tok=None) -> dict:
                         gen_batch=args.gen_batch, gen_engine=args.gen_engine,
                         progress=not args.no_progress, log=_log)
     data = cache.load()
-    V = model.get_output_embeddings().weight.shape[0]
+    V = model.get_output_embeddings().out_features
     vocab_size = model.config.get_text_config(decoder=True).vocab_size
     size = args.draft_vocab if args.draft_vocab and args.draft_vocab < vocab_size else vocab_size
     d2t, cover = build_draft_vocab(data["labels"], min(V, vocab_size), size)
