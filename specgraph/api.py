@@ -75,8 +75,8 @@ def compile(
     library call by benchmarking both (``max_autotune``): on a 2-core AVX-512 CPU SmolLM2's plain
     decoding runs faster (``benchmarks/autotune_bench.py``), and each graph takes about 12% longer
     to build (docs/architecture.md, "Build time"). ``"auto"``
-    (default): on for CPU models of at least ``AUTOTUNE_MIN_PARAMS`` parameters, off on CUDA and for
-    small models (see :func:`resolve_autotune`).
+    (default): on for frozen CPU models of at least ``AUTOTUNE_MIN_PARAMS`` parameters, off on CUDA,
+    for small models and for unfrozen graphs (see :func:`resolve_autotune`).
 
     ``attention``: how the rounds' attention reads the KV cache. A round attends as many cache slots
     as its longest row needs; ``"block_sparse"`` has each row read only the 64-slot blocks its own
@@ -168,8 +168,9 @@ def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
         num_speculative_tokens = max(depths)
     elif plan is not None:
         raise ValueError("plan= is read by num_speculative_tokens='auto'")
+    autotune = False if autotune == "auto" and not freeze else resolve_autotune(autotune, model)  # pays when frozen
     config = resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze,
-                            resolve_autotune(autotune, model), tree_nodes, attention)
+                            autotune, tree_nodes, attention)
     fast = SpecGraphModel(model, config, proposers.make_proposer)
     if auto:
         adaptive.enable_auto(fast, depths, plan)

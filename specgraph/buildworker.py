@@ -41,11 +41,11 @@ def _answer(out, obj: dict) -> None:
 def _load_model(job: dict):
     import torch
 
+    from specgraph.models import load_checkpoint
+
     module, _, name = job["model_class"].rpartition(".")
     cls = getattr(importlib.import_module(module), name)
-    model = cls.from_pretrained(job["model_dir"], dtype=getattr(torch, job["dtype"]),
-                                attn_implementation=job["attn_implementation"])
-    return model.eval()
+    return load_checkpoint(job["model_dir"], cls, getattr(torch, job["dtype"]), job["attn_implementation"])
 
 
 def _compiled(job: dict):
@@ -55,7 +55,8 @@ def _compiled(job: dict):
     s = job["settings"]
     fast = api.compile(_load_model(job), s["draft"], num_speculative_tokens=s["num_speculative_tokens"],
                        max_batch_size=s["max_batch_size"], max_seq_len=s["max_seq_len"], freeze=s["freeze"],
-                       autotune=s["autotune"], attention=s.get("attention", "auto"), warmup=False)
+                       autotune=s["autotune"], attention=s.get("attention", "auto"), weights=s.get("weights"),
+                       warmup=False)
     digest = graphcache.key_digest(graphcache.entry_key(fast))
     if digest != job["digest"]:
         raise RuntimeError(f"the helper's graph-cache key {digest} is not the parent's {job['digest']}")

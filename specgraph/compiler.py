@@ -227,7 +227,7 @@ def _flex_buffers_for_kernel_threads() -> bool:
     return True
 
 
-def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sdpa") -> dict:
+def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sdpa", weights: str = "float32") -> dict:
     """The Inductor config of every graph specgraph builds, JIT or AOT. ``freeze``: the weights
     become constants, prepacked for the GEMMs. ``autotune``: Inductor benchmarks its own GEMM
     template against the library call per shape (on an AVX-512 CPU its micro-kernel beats MKL for
@@ -238,9 +238,14 @@ def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sd
     kernel is built for :func:`kernel_threads` threads whatever that setting says.
     Low-precision (bf16 / fp16) results are rounded after each operation as eager rounds them
     (``emulate_precision_casts``), not kept in fp32 through a fused kernel: the compiled rounds
-    then compute the model's own law (greedy output equal to ``model.generate``)."""
+    then compute the model's own law (greedy output equal to ``model.generate``).
+    ``weights`` other than float32 (:mod:`specgraph.precision`): a linear layer's bf16 rounding of
+    its input is not fused into the attention kernel before it (Inductor's CPU flex-attention
+    template takes no epilogue)."""
     memoize_kernel_templates()
     config = {"freezing": freeze, "emulate_precision_casts": True}
+    if weights != "float32":
+        config["epilogue_fusion"] = False
     if autotune:
         config.update(max_autotune=True,
                       max_autotune_gemm_backends="CPP,ATEN" if device.type == "cpu" else "TRITON,ATEN")
@@ -742,7 +747,7 @@ class SpecGraphModel:
         # inductor_settings. Applied as a config patch around every call: torch.compile(options=...) ignores
         # "freezing", and a recompile must see the same settings as the first compile.
         device = next(self.model.parameters()).device
-        config = inductor_settings(device, self.freeze, self.autotune, self.attention)
+        config = inductor_settings(device, self.freeze, self.autotune, self.attention, self.weights)
         self.inductor_config = dict(config)  # what every compiled graph of this object is built with
 
         def decide_freezing():

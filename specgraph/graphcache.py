@@ -163,6 +163,7 @@ def entry_key(fast) -> dict:
         "weights_sha256": weights_sha256(fast.model),
         "config": canonical_config(fast.model),
         "dtype": str(next(fast.model.parameters()).dtype),
+        "weights": fast.weights,
         "slots": fast.slots,
         "window": fast.window,
         "autotune": fast.autotune,
@@ -845,7 +846,8 @@ def _wants_helper(fast, missing: list) -> bool:
         return False
     if env in ("1", "on", "true", "yes"):
         return True
-    return (os.cpu_count() or 1) >= 2 and sum(p.numel() for p in fast.model.parameters()) >= HELPER_MIN_PARAMS
+    size = sum(t.numel() for t in (*fast.model.parameters(), *fast.model.buffers()))  # quantized weights are buffers
+    return (os.cpu_count() or 1) >= 2 and size >= HELPER_MIN_PARAMS
 
 
 def _start_helper(fast, folder: Path, digest: str, work: _Work) -> "_Helper | None":
@@ -962,7 +964,7 @@ class _Helper:
                     "settings": {"draft": self.fast.draft, "num_speculative_tokens": max(self.fast.k, 1),
                                  "max_batch_size": self.fast.max_batch_size, "max_seq_len": self.fast.max_seq_len,
                                  "freeze": self.fast.freeze, "autotune": self.fast.autotune,
-                                 "attention": self.fast.attention}})
+                                 "attention": self.fast.attention, "weights": self.fast.weights}})
         reply = self._receive()
         if not reply.get("ready"):
             raise RuntimeError(reply.get("error", "no answer"))

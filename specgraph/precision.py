@@ -4,23 +4,28 @@ The target of speculative decoding is the model *at the chosen precision*: :func
 returns that model, an HF model like the one given (its ``generate`` is the reference every
 exactness test compares with), whose linear layers read one copy of their weights in the chosen
 format. Every graph of a compiled object reads that one copy (the graphs are built unfrozen), so
-quantized weights are both fewer bytes per step and no per-graph weight copies.
+a lower precision is both fewer bytes per step and no per-graph weight copies.
 
-=============  ========================  ==========================  ============================
-``weights``    linear weights            everything else             matmul
-=============  ========================  ==========================  ============================
-float32        fp32 (the model as given) fp32                        MKL / Inductor (frozen)
-bfloat16       bf16                      bf16                        oneDNN bf16, fp32 accumulation
-int8           int8, a scale per output  bf16                        ``aten._weight_int8pack_mm``
-               channel (symmetric)
-int4           int4, a scale and offset  bf16                        ``aten._weight_int4pack_mm_for_cpu``
-               per 32 inputs
-native         a GGUF model at its own precision (:func:`specgraph.gguf_weights.native_model`)
-=============  ========================  ==========================  ============================
+=============  ==============================================  ===================================
+``weights``    linear layers' weights                          their matmul
+=============  ==============================================  ===================================
+float32        fp32 (the model as given)                       MKL / Inductor (frozen, prepacked)
+bfloat16       bf16                                            oneDNN bf16, fp32 accumulation
+int8           int8, a scale per output channel (symmetric)    ``aten._weight_int8pack_mm``
+int4           int4, a scale and an offset per 32 inputs       ``aten._weight_int4pack_mm_for_cpu``
+native         a GGUF model's own blocks (:mod:`specgraph.gguf_weights`)
+=============  ==============================================  ===================================
 
-Quantized linears compute with bf16 activations: the CPU int8 / int4 weight-pack kernels are fast
-for bf16 inputs and several times slower for fp32 ones. A linear the int4 kernel cannot take (an
-output count not a multiple of 16, or an input count not a multiple of 32) stays bf16.
+Only the linear layers (the LM head too) change: each rounds its input to bf16, runs its kernel
+(the CPU int8 / int4 weight-pack kernels are fast for bf16 inputs only, several times slower for
+fp32 ones) and returns fp32. Everything between them (embeddings, norms, attention, the KV cache,
+residuals) stays fp32. That keeps the model's law computable the same way by ``generate`` and by
+the compiled rounds: each kernel gives a row the same bits whatever the rows beside it, and the
+fp32 parts differ between the two only in summation order, as they do at ``float32``. (A whole
+bf16 model is not: a bf16 attention's output rounding differs between HF's growing cache and a
+static cache read under a mask, and bf16 logits tie often, so greedy output would drift.)
+A linear the int4 kernel cannot take (an output count not a multiple of 16, or an input count not
+a multiple of 32) is a bf16 layer.
 """
 from __future__ import annotations
 
@@ -30,8 +35,25 @@ import torch
 from torch import nn
 
 WEIGHTS = ("float32", "bfloat16", "int8", "int4", "native")
-ACTIVATIONS = torch.bfloat16  # the activation dtype of the quantized precisions
+ACTIVATIONS = torch.bfloat16  # what a low-precision layer's kernel reads and writes (in and out: fp32)
 INT4_GROUP = 32  # inputs per int4 scale/offset: GGUF's Q4 block size (64 and 128 run no faster here)
+
+
+class BF16Linear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W`` in bf16: the input rounded to bf16, fp32 accumulation."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_bf16", weight.detach().to(ACTIVATIONS).contiguous())  # [N, K]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x):  # [..., K] -> [..., N], x's dtype
+        y = nn.functional.linear(x.to(ACTIVATIONS), self.weight_bf16).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] float32
+        return self.weight_bf16.float()
 
 
 class Int8Linear(nn.Module):
@@ -49,11 +71,12 @@ class Int8Linear(nn.Module):
         """Symmetric per-channel int8 of ``weight`` [N, K] (any float dtype; scales from fp32)."""
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scale.to(dtype), None if bias is None else bias.detach().to(dtype))
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        return cls(q, scale.to(dtype), None if bias is None else bias.detach().clone())
 
-    def forward(self, x):  # [..., K] -> [..., N]
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scale)
+    def forward(self, x):  # [..., K] -> [..., N], x's dtype
+        a = x.reshape(-1, self.in_features).to(ACTIVATIONS)
+        y = torch.ops.aten._weight_int8pack_mm(a, self.qweight, self.scale).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -78,38 +101,38 @@ class Int4Linear(nn.Module):
         return out_features % 16 == 0 and in_features % group == 0
 
     @classmethod
-    def from_codes(cls, q, scale, zero, bias, group: int = INT4_GROUP, dtype=ACTIVATIONS) -> "Int4Linear":
-        """From codes ``q`` [N, K] in 0..15 and ``scale``, ``zero`` [N, K / group] (the formula
-        above): what GGUF's Q4 blocks hold, after :func:`int4_codes` or a file's own values."""
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 8)
+    def fit(cls, weight: torch.Tensor, bias, scale, zero, group: int = INT4_GROUP, dtype=ACTIVATIONS) -> "Int4Linear":
+        """The int4 layer nearest ``weight`` [N, K] with ``scale`` and ``zero`` [N, K / group]
+        (the formula above). The kernel reads scales and offsets in the activation dtype, so they
+        are rounded to it first and the codes are rounded against the rounded values: each weight
+        is then off by at most half a step, never by a whole block's rounded offset."""
+        N, K = weight.shape
+        scale, zero = scale.to(dtype).float(), zero.to(dtype).float()
+        w = weight.detach().float().reshape(N, K // group, group)
+        q = torch.round((w - zero[..., None]) / scale[..., None]) + 8
+        q = q.clamp(0, 15).reshape(N, K).to(torch.int32).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
         scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-        return cls(packed, scale_zero, None if bias is None else bias.detach().to(dtype), q.shape[1], group)
+        return cls(packed, scale_zero, None if bias is None else bias.detach().clone(), K, group)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias, group: int = INT4_GROUP, dtype=ACTIVATIONS) -> "Int4Linear":
-        q, scale, zero = int4_codes(weight, group)
-        return cls.from_codes(q, scale, zero, bias, group, dtype)
+        """Asymmetric int4 of ``weight`` per ``group`` inputs: each group's range in 16 steps."""
+        N, K = weight.shape
+        w = weight.detach().float().reshape(N, K // group, group)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        return cls.fit(weight, bias, scale, lo + 8 * scale, group, dtype)
 
-    def forward(self, x):  # [..., K] -> [..., N]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed, self.group,
-                                                       self.scale_zero)
+    def forward(self, x):  # [..., K] -> [..., N], x's dtype
+        a = x.reshape(-1, self.in_features).to(ACTIVATIONS)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, self.group, self.scale_zero).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> torch.Tensor:  # [N, K] float32, through the kernel (an identity input)
         eye = torch.eye(self.in_features, dtype=self.scale_zero.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scale_zero).float().t()
-
-
-def int4_codes(weight: torch.Tensor, group: int = INT4_GROUP):
-    """Asymmetric int4 codes of ``weight`` [N, K] per ``group`` inputs: (q [N, K] in 0..15,
-    scale [N, K / group], zero [N, K / group]) with ``W ~ (q - 8) * scale + zero``."""
-    N, K = weight.shape
-    w = weight.detach().float().reshape(N, K // group, group)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).reshape(N, K)
-    return q, scale, lo + 8 * scale
 
 
 def as_given(model) -> str:
@@ -121,9 +144,12 @@ def as_given(model) -> str:
 
 
 def resolve(weights, model) -> str:
-    """``weights`` checked; None: the model as given (:func:`as_given`)."""
+    """``weights`` checked; None: ``"native"`` for a model :func:`specgraph.models.load_model`
+    loaded from a GGUF file, else the model as given (:func:`as_given`)."""
+    from specgraph.gguf_weights import gguf_path
+
     if weights is None:
-        return as_given(model)
+        return "native" if gguf_path(model) is not None and not hasattr(model, "specgraph_weights") else as_given(model)
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     return weights
@@ -134,15 +160,32 @@ def model_at(model, weights: str):
     already there, else :func:`quantize`."""
     if weights == as_given(model):
         return model
+    if weights == "native":
+        from specgraph.gguf_weights import native_model
+
+        return native_model(model)
     return quantize(model, weights)
 
 
-def _quantized_linear(module: nn.Linear, weights: str):
+def linear_weight(module) -> torch.Tensor | None:
+    """The [N, K] weight of a linear layer: ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2
+    style, weight stored [K, N]); None for any other module."""
+    if type(module) is nn.Linear:
+        return module.weight
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+        return module.weight.t()
+    return None
+
+
+def _quantized_linear(module, weights: str):
+    w = linear_weight(module)
+    if w is None:
+        return None
     if weights == "int8":
-        return Int8Linear.quantize(module.weight, module.bias)
-    if Int4Linear.fits(module.out_features, module.in_features):
-        return Int4Linear.quantize(module.weight, module.bias)
-    return None  # stays a bf16 Linear
+        return Int8Linear.quantize(w, module.bias)
+    if weights == "int4" and Int4Linear.fits(*w.shape):
+        return Int4Linear.quantize(w, module.bias)
+    return BF16Linear(w, module.bias)
 
 
 def quantize(model, weights: str):
@@ -150,28 +193,29 @@ def quantize(model, weights: str):
     (``model`` itself is not changed; ``"float32"`` on an fp32 model returns it as is) whose
     ``generate`` is the reference for a compiled object with ``weights=weights``.
 
-    ``int8`` / ``int4`` quantize every ``nn.Linear`` (the LM head too) from ``model``'s own
-    weights and cast the rest to bf16; a tied embedding stays bf16 beside its quantized head."""
+    Every linear layer (:func:`linear_weight`; the LM head too) is converted from ``model``'s
+    own weights; the rest stays as it is (a tied embedding keeps its fp32 table beside the
+    converted head)."""
     if weights not in WEIGHTS or weights == "native":
         raise ValueError(f"quantize takes one of {tuple(w for w in WEIGHTS if w != 'native')}, got {weights!r}")
     current = as_given(model)
     if current == weights:
         return model
-    if current not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"the model is already at weights={current!r}: quantize the original model")
-    if weights == "float32":
-        raise ValueError(f"weights='float32' needs an fp32 model, got {current}")
+    if current != "float32":
+        raise ValueError(f"the model is already at weights={current!r}: quantize the original (fp32) model")
     memo = {}
-    if weights in ("int8", "int4"):
-        for module in model.modules():
-            if type(module) is nn.Linear:
-                q = _quantized_linear(module, weights)
-                if q is not None:
-                    memo[id(module)] = q
-    # the deep copy takes the quantized linears in place of the originals (their fp32 weights
-    # are never copied), and copies the rest, which is then cast
-    out = copy.deepcopy(model, memo)
-    out.to(torch.bfloat16)
+    for module in model.modules():
+        if id(module) not in memo:
+            q = _quantized_linear(module, weights)
+            if q is not None:
+                memo[id(module)] = q
+    return with_linears(model, memo, weights)
+
+
+def with_linears(model, replacements: dict, weights: str):
+    """A copy of ``model`` in which each module whose ``id`` is a key of ``replacements`` is that
+    value (the replaced layers' float weights are never copied), marked as precision ``weights``."""
+    out = copy.deepcopy(model, dict(replacements))
     out.specgraph_weights = weights
     return out.eval()
 

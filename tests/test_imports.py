@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parent.parent / "specgraph"
 
 LAYERS = [
     ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset", "rounds",
-              "processors", "generation", "templates", "lookup", "packing", "limits", "precision",
+              "processors", "generation", "templates", "lookup", "packing", "limits", "precision", "gguf_weights",
               "kernels", "passes"}),
     ("engine", {"compiler", "callrows", "eager", "loop", "packages", "proposal", "timing"}),
     ("drafters", {"drafters", "suffix", "heads", "learned", "proposers"}),
