@@ -3,7 +3,7 @@ depth policy (:mod:`specgraph.adaptive` for ``num_speculative_tokens="auto"``), 
 built or served from the persistent graph cache (:mod:`specgraph.graphcache`)."""
 from __future__ import annotations
 
-from specgraph import adaptive, compiler, graphcache, learned, precision, proposers
+from specgraph import adaptive, compiler, gguf_weights, graphcache, learned, proposers
 from specgraph.compiler import EngineConfig, SpecGraphModel, resolve_autotune
 from specgraph.graphset import MODES
 from specgraph.planner import as_plan
@@ -155,8 +155,8 @@ def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
             autotune, tree_nodes, attention="auto", weights=None) -> SpecGraphModel:
     """The compiled object, its depths set (``num_speculative_tokens="auto"``: the adaptive
     policy, :mod:`specgraph.adaptive`), nothing built yet."""
-    weights = precision.resolve(weights, model)
-    model = precision.model_at(model, weights)
+    weights = gguf_weights.resolve(weights, model)
+    model = gguf_weights.model_at(model, weights)
     if freeze is None:
         freeze = weights == "float32"
     auto = isinstance(num_speculative_tokens, str)

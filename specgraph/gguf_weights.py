@@ -1,4 +1,5 @@
-"""A GGUF model at its file's own precision: ``compile(model, weights="native")``.
+"""A GGUF model at its file's own precision: ``compile(model, weights="native")``, and the
+precision a model is compiled at (:func:`resolve`, :func:`model_at`).
 
 transformers loads a GGUF file by dequantizing every tensor to floats. :func:`native_model` goes
 back to the file for the linear layers and builds each from the file's own blocks:
@@ -26,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specgraph.precision import INT4_GROUP, BF16Linear, Int4Linear, Int8Linear, linear_weight, with_linears
+from specgraph.precision import (INT4_GROUP, WEIGHTS, BF16Linear, Int4Linear, Int8Linear, as_given, linear_weight, quantize,
+                                 with_linears)
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 INT4_TYPES = ("Q4_0", "Q4_1")
@@ -116,3 +118,23 @@ def native_model(model):
             if q is not None:
                 memo[id(module)] = q
     return with_linears(model, memo, "native")
+
+
+def resolve(weights, model) -> str:
+    """``compile(weights=...)`` checked; None: ``"native"`` for a model :func:`specgraph.models.load_model`
+    loaded from a GGUF file, else the model as given (:func:`specgraph.precision.as_given`)."""
+    if weights is None:
+        return "native" if gguf_path(model) is not None and not hasattr(model, "specgraph_weights") else as_given(model)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    return weights
+
+
+def model_at(model, weights: str):
+    """``model`` at precision ``weights`` (from :func:`resolve`): ``model`` itself when it is
+    already there, :func:`native_model` for ``"native"``, else :func:`specgraph.precision.quantize`."""
+    if weights == as_given(model):
+        return model
+    if weights == "native":
+        return native_model(model)
+    return quantize(model, weights)

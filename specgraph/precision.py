@@ -143,30 +143,6 @@ def as_given(model) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-def resolve(weights, model) -> str:
-    """``weights`` checked; None: ``"native"`` for a model :func:`specgraph.models.load_model`
-    loaded from a GGUF file, else the model as given (:func:`as_given`)."""
-    from specgraph.gguf_weights import gguf_path
-
-    if weights is None:
-        return "native" if gguf_path(model) is not None and not hasattr(model, "specgraph_weights") else as_given(model)
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    return weights
-
-
-def model_at(model, weights: str):
-    """``model`` at precision ``weights`` (from :func:`resolve`): ``model`` itself when it is
-    already there, else :func:`quantize`."""
-    if weights == as_given(model):
-        return model
-    if weights == "native":
-        from specgraph.gguf_weights import native_model
-
-        return native_model(model)
-    return quantize(model, weights)
-
-
 def linear_weight(module) -> torch.Tensor | None:
     """The [N, K] weight of a linear layer: ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2
     style, weight stored [K, N]); None for any other module."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import specgraph
-from specgraph import precision
+from specgraph import gguf_weights, precision
 from specgraph.precision import BF16Linear, Int4Linear, Int8Linear, quantize
 from test_architectures import tiny as tiny_family
 
@@ -81,9 +81,9 @@ def test_quantize_leaves_the_model_alone_and_marks_the_copy():
     with pytest.raises(ValueError, match="already at weights='int8'"):
         quantize(q, "int4")
     with pytest.raises(ValueError, match="weights must be one of"):
-        precision.resolve("int3", model)
+        gguf_weights.resolve("int3", model)
     with pytest.raises(ValueError, match="GGUF"):
-        precision.model_at(model, "native")
+        gguf_weights.model_at(model, "native")
 
 
 def test_int4_leaves_layers_the_kernel_cannot_take_in_bf16():
