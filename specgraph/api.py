@@ -37,6 +37,8 @@ def compile(
 
     ``draft``: None (compiled plain decoding), ``"ngram"`` (prompt lookup), ``"suffix"``, a draft
     model, ``"layerskip"`` (the model's first layers as the draft, :func:`specgraph.drafters.layer_skip`),
+    ``"self-int4"`` (the model's own weights at int4 drafting for the model at ``weights``,
+    :func:`specgraph.drafters.self_int4`),
     or a learned head (:mod:`specgraph.learned`): ``"eagle"`` / ``"medusa"`` (the head file whose
     fingerprint matches ``model``; an error when there is none) or an ``EagleHead`` / ``MedusaHeads``
     bound to ``model``. EAGLE takes ``tree=None``, a static tree or ``"dynamic"`` (EAGLE-2 style);
@@ -138,6 +140,7 @@ def compile(
     fast = _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze, depths,
                    plan, autotune, tree_nodes, attention, weights)
     if not (compiler.WARMUP_BY_DEFAULT if warmup is None else warmup) or fast.fallback_reason is not None:
+        fast.source_model = None
         return fast
     if graphcache.enabled(cache):
         fast.graph_cache = graphcache.load_or_build(fast, modes, progress=progress, root=graphcache.root_of(cache),
@@ -148,6 +151,7 @@ def compile(
     fast.warmup(modes, progress=progress and fast.graph_cache is None)
     if generation_config is not None:
         prepare_settings(fast, generation_config, modes, progress, refine=refine)
+    fast.source_model = None  # the helper has its own copy: the object holds only its own weights
     return fast
 
 
@@ -156,7 +160,9 @@ def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
     """The compiled object, its depths set (``num_speculative_tokens="auto"``: the adaptive
     policy, :mod:`specgraph.adaptive`), nothing built yet."""
     weights = gguf_weights.resolve(weights, model)
-    model = gguf_weights.model_at(model, weights)
+    source, model = model, gguf_weights.model_at(model, weights)
+    if isinstance(draft, str) and draft == "self-int4":
+        draft = _self_int4(source, model)
     if freeze is None:
         freeze = weights == "float32"
     auto = isinstance(num_speculative_tokens, str)
@@ -172,11 +178,25 @@ def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
     config = resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze,
                             autotune, tree_nodes, attention)
     fast = SpecGraphModel(model, config, proposers.make_proposer)
+    fast.source_model = source  # the model as given, while the graph set builds (a build helper loads it)
     if auto:
         adaptive.enable_auto(fast, depths, plan)
     elif depths is not None:
         fast.set_depths(depths)
     return fast
+
+
+def _self_int4(source, target):
+    """``draft="self-int4"``: the target's own weights at int4 (:func:`specgraph.drafters.self_int4`)."""
+    from specgraph.drafters import self_int4
+    from specgraph.precision import as_given
+
+    if as_given(source) != "float32":
+        raise ValueError(f"draft='self-int4' quantizes the model's fp32 weights; this model is {as_given(source)}")
+    if as_given(target) == "int4":
+        raise ValueError("draft='self-int4' drafts at int4 for a target at a higher precision; the target is int4 "
+                         "already (use weights='float32', 'bfloat16', 'int8' or 'native')")
+    return self_int4(source, target)
 
 
 def resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze=True,

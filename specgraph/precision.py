@@ -164,14 +164,15 @@ def _quantized_linear(module, weights: str):
     return BF16Linear(w, module.bias)
 
 
-def quantize(model, weights: str):
+def quantize(model, weights: str, shared: dict | None = None):
     """``model`` at precision ``weights`` (one of :data:`WEIGHTS` but ``"native"``): a new model
     (``model`` itself is not changed; ``"float32"`` on an fp32 model returns it as is) whose
     ``generate`` is the reference for a compiled object with ``weights=weights``.
 
     Every linear layer (:func:`linear_weight`; the LM head too) is converted from ``model``'s
     own weights; the rest stays as it is (a tied embedding keeps its fp32 table beside the
-    converted head)."""
+    converted head). ``shared``: ``{id(tensor of model): tensor}``, tensors the copy takes as
+    they are instead of copying them (:func:`specgraph.drafters.self_int4` shares the target's)."""
     if weights not in WEIGHTS or weights == "native":
         raise ValueError(f"quantize takes one of {tuple(w for w in WEIGHTS if w != 'native')}, got {weights!r}")
     current = as_given(model)
@@ -179,7 +180,7 @@ def quantize(model, weights: str):
         return model
     if current != "float32":
         raise ValueError(f"the model is already at weights={current!r}: quantize the original (fp32) model")
-    memo = {}
+    memo = dict(shared or {})
     for module in model.modules():
         if id(module) not in memo:
             q = _quantized_linear(module, weights)

@@ -177,3 +177,30 @@ def test_sampled_law_is_the_quantized_models():
     assert 0 < fast.stats.accepted < fast.stats.drafted
     p_fp32 = gof_pvalue(counts, exact_law(target, settings))
     assert p_fp32 < ALPHA, f"negative control not detected: p = {p_fp32:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# draft="self-int4": the target's own weights at int4 draft for it
+
+
+@pytest.mark.parametrize("weights, backend", [("float32", "eager"), ("int8", "eager"), ("bfloat16", "inductor")])
+def test_self_int4_drafts_for_the_model_at_its_precision(weights, backend):
+    model = tiny_family("llama")
+    kw = dict(cache=False, modes=("greedy",), progress=False) if backend == "inductor" else {}
+    fast = specgraph.compile(model, "self-int4", weights=weights, backend=backend, max_batch_size=1,
+                             max_seq_len=128, **kw)
+    assert fast.draft == "model" and as_int4(fast.draft_model)
+    target_tensors = {t.data_ptr() for t in (*fast.model.parameters(), *fast.model.buffers())}
+    assert fast.draft_model.model.embed_tokens.weight.data_ptr() in target_tensors  # shared, not copied
+    assert torch.equal(greedy(fast), greedy(fast.model))
+    assert 0 < fast.stats.accepted <= fast.stats.drafted
+
+
+def as_int4(model) -> bool:
+    return precision.as_given(model) == "int4" and any(isinstance(m, Int4Linear) for m in model.modules())
+
+
+def test_self_int4_needs_a_target_above_int4():
+    model = tiny_family("llama")
+    with pytest.raises(ValueError, match="int4 already"):
+        specgraph.compile(model, "self-int4", weights="int4", backend="eager", max_seq_len=128)
