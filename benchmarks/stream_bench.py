@@ -4,7 +4,9 @@ What a user sees serving real traffic: each method loads and builds once (start-
 its own), takes one warm-up call, then answers a stream of varied prompts it has never seen (code,
 chat, summarisation, math; prompt lengths from ~20 to ~600 tokens), greedy, batch 1. Methods run
 interleaved, prompt by prompt, in one process; tokens/s = all new tokens / all seconds over the
-stream. Every specgraph output is checked against HF's greedy output. ``--second-process`` also
+stream. Every specgraph output is checked against HF's greedy output at the same precision: a method
+may end in a precision (``specgraph ngram int8``: ``compile(weights="int8")``; ``hf plain int8``: HF
+generate on that model, its reference); "vs HF" is against HF fp32 (``hf plain``) throughout. ``--second-process`` also
 starts each specgraph method again in a fresh process and reports that start-up (the graph cache,
 and Inductor's on-disk caches for the ``jit`` methods, warm). Methods ending in ``jit`` build the
 same graphs with the JIT (``cache=False``); the others are served by the graph cache
@@ -37,6 +39,7 @@ import torch
 from transformers import GenerationConfig
 
 import specgraph
+from specgraph import gguf_weights
 from specgraph.api import prepare_settings
 from specgraph.models import load_model
 
@@ -61,14 +64,26 @@ SG_METHODS = {  # name -> (draft, compile kwargs)
     "specgraph eagle": ("eagle", {}),
     "specgraph plain untuned": (None, {"autotune": False}),  # frozen packages without GEMM autotuning
     "specgraph ngram untuned": ("ngram", {"autotune": False}),
+    "specgraph self-int4": ("self-int4", {}),  # the model's own weights at int4 drafting
 }
+WEIGHTS = ("float32", "bfloat16", "int8", "int4", "native")
+
+
+def split_weights(method: str) -> tuple[str, str]:
+    """("specgraph ngram", "int8") for "specgraph ngram int8": a method may end in a precision
+    (``compile(weights=...)``; HF generate on ``specgraph.quantize``'s model for "hf plain int8");
+    without one it runs float32."""
+    head, _, last = method.rpartition(" ")
+    return (head, last) if last in WEIGHTS else (method, "float32")
 
 
 def build(model, name, args):
     """(compiled object, seconds until ``compile`` returned): the stream's settings
     (``max_batch_size`` = the batch, greedy), or with ``--defaults`` compile's own defaults (only
     the drafter given)."""
-    draft, kw = SG_METHODS[name]
+    base, weights = split_weights(name)
+    draft, kw = SG_METHODS[base]
+    kw = {**kw, "weights": weights}
     t0 = time.perf_counter()
     if getattr(args, "defaults", False):
         fast = specgraph.compile(model, draft, **kw)
@@ -98,7 +113,11 @@ def method_settings(method: str, base_kw: dict, args) -> tuple[str, dict]:
 
 
 def reference_of(method: str) -> str:
-    return "hf plain rp" if method.endswith(" rp") else "hf plain"
+    """HF plain with the same settings and precision."""
+    if method.endswith(" rp"):
+        return "hf plain rp"
+    weights = split_weights(method)[1]
+    return "hf plain" if weights == "float32" else f"hf plain {weights}"
 
 
 def startup_only(args) -> int:
@@ -235,9 +254,16 @@ def main(argv=None) -> int:
         calls.append(([n for n, _ in group], ids, mask))
     base_kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
     runners, startup, built_fast = {}, {}, {}
+    at = {}  # precision -> HF model at it (specgraph.gguf_weights.model_at)
     for m in methods:
         base, gkw = method_settings(m, base_kw, args)
-        if base == "hf plain":
+        if base.startswith("hf plain ") and split_weights(base)[1] != "float32":
+            w = split_weights(base)[1]
+            t1 = time.perf_counter()
+            at[w] = at.get(w) or gguf_weights.model_at(model, w)
+            runners[m] = lambda ids, mask, gkw=gkw, q=at[w]: q.generate(ids, attention_mask=mask, **gkw)
+            startup[m] = {"load_s": load_s, "build_s": time.perf_counter() - t1}
+        elif base == "hf plain":
             runners[m] = lambda ids, mask, gkw=gkw: model.generate(ids, attention_mask=mask, **gkw)
             startup[m] = {"load_s": load_s, "build_s": 0.0}
         elif base == "hf prompt lookup":
@@ -295,6 +321,8 @@ def main(argv=None) -> int:
     if args.llamacpp_python:
         rows += llamacpp_rows(args, prompts, outputs.get("hf plain"), calls, eos)
     hf_of = {r["method"]: r["tokens_per_s"] for r in rows if r["method"] in ("hf plain", "hf plain rp")}
+    hf_of.update({r["method"]: hf_of.get("hf plain") for r in rows if r["method"].startswith("hf plain ")
+                  and not r["method"].endswith(" rp")})  # "vs HF": against HF fp32 at every precision
     if args.second_process:
         for r in rows:
             if r["method"].startswith("specgraph"):

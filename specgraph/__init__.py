@@ -38,6 +38,7 @@ from specgraph.api import compile, prepare_settings
 from specgraph.compiler import SpecGraphModel
 from specgraph.onnx_export import export_onnx
 from specgraph.planner import Plan, plan
+from specgraph.precision import WEIGHTS, quantize
 from specgraph.trees import TreeSpec, ancestor_mask, tree_from_paths, tree_positions
 from specgraph.verify import verify_chain, verify_tree
 from specgraph.warping import SamplingParams, is_greedy, warp_logits, warped_probs
@@ -47,4 +48,5 @@ __version__ = "0.1.0"
 __all__ = [
     "compile", "prepare_settings", "SpecGraphModel", "export_onnx", "verify_chain", "verify_tree", "warp_logits", "warped_probs", "is_greedy", "SamplingParams",
     "TreeSpec", "ancestor_mask", "tree_from_paths", "tree_positions", "perfmodel", "plan", "Plan", "__version__",
+    "quantize", "WEIGHTS",
 ]

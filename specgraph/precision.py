@@ -84,6 +84,19 @@ class Int8Linear(nn.Module):
         return self.qweight.float() * self.scale.float()[:, None]
 
 
+@torch.library.custom_op("specgraph::int4_mm", mutates_args=())
+def int4_mm(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zero: torch.Tensor) -> torch.Tensor:
+    """``aten._weight_int4pack_mm_for_cpu`` as an opaque op: Inductor's own lowering of it adds
+    the group size as a tensor constant of the graph, which an unfrozen AOTInductor package cannot
+    bind to a model tensor; this op reaches the same kernel as an extern call."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(a, packed, group, scale_zero)
+
+
+@int4_mm.register_fake
+def _(a, packed, group, scale_zero):
+    return a.new_empty(a.shape[0], packed.shape[0])
+
+
 class Int4Linear(nn.Module):
     """``y = x @ W.T + bias`` with ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]``,
     ``g = k // group``: weight-only int4 with a scale and an offset per ``group`` inputs, the
@@ -126,7 +139,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x):  # [..., K] -> [..., N], x's dtype
         a = x.reshape(-1, self.in_features).to(ACTIVATIONS)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, self.group, self.scale_zero).to(x.dtype)
+        y = int4_mm(a, self.packed, self.group, self.scale_zero).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

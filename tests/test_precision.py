@@ -204,3 +204,17 @@ def test_self_int4_needs_a_target_above_int4():
     model = tiny_family("llama")
     with pytest.raises(ValueError, match="int4 already"):
         specgraph.compile(model, "self-int4", weights="int4", backend="eager", max_seq_len=128)
+
+
+def test_graph_cache_packages_read_the_one_copy(tmp_path, monkeypatch):
+    """Unfrozen packages of an int4 object: code only, bound at load to ``fast.model``'s buffers;
+    a second compile loads them, and both equal HF generate on the quantized model."""
+    monkeypatch.setenv("SPECGRAPH_BUILD_HELPER", "off")
+    model = tiny_family("llama")
+    kw = dict(weights="int4", cache=tmp_path, max_batch_size=1, max_seq_len=128, modes=("greedy",), progress=False)
+    fast = specgraph.compile(model, "ngram", **kw)
+    assert not fast.graph_cache["hit"] and fast.graph_cache["built"] >= 1 and fast.graph_cache["frozen"] == 0
+    again = specgraph.compile(model, "ngram", **kw)
+    assert again.graph_cache["hit"] and again.graph_cache["loaded"] == fast.graph_cache["loaded"]
+    ref = greedy(fast.model)
+    assert torch.equal(greedy(fast), ref) and torch.equal(greedy(again), ref)
