@@ -59,7 +59,9 @@ def compile(
     ``weights``: the precision of the weights the compiled object runs (:mod:`specgraph.precision`):
     ``"float32"``, ``"bfloat16"``, ``"int8"`` (weight-only, a scale per output channel), ``"int4"``
     (weight-only, a scale and offset per 32 inputs) or ``"native"`` (a GGUF model at its file's own
-    precision). None (default): ``"native"`` for a model loaded from GGUF, else ``"float32"``.
+    precision; ``specgraph.load_model`` records a GGUF model's file for it). None (default): the
+    model as given (``"float32"`` for an fp32 model, also one dequantized from a GGUF file: the
+    command line runs those at ``"native"`` unless ``--weights`` says otherwise).
     The target is the model at that precision, ``fast.model`` (``specgraph.quantize(model,
     weights)``): greedy output equals ``fast.model.generate``, and sampling follows its law.
     ``model`` itself is left as it is.

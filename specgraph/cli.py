@@ -148,7 +148,8 @@ def _add_weights_flag(p) -> None:
                    help="precision of the linear layers' weights, the one copy every graph reads: float32, bfloat16, "
                         "int8 (per channel), int4 (per 32 inputs), native (a GGUF file's own blocks); outputs equal "
                         "HF generate on the model at that precision (default: native for a GGUF model such as "
-                        "default, else the model's dtype)")
+                        "default, but float32 with --draft eagle/medusa, whose heads match the fp32 model; else the "
+                        "model's dtype)")
 
 
 def _add_quiet_flag(p) -> None:
@@ -298,6 +299,14 @@ def _print_table(rows, file=None) -> None:
     file.flush()
 
 
+def _weights_for(args, model, draft) -> str | None:
+    """``--weights``, else the command line's default for MODEL (:func:`specgraph.gguf_weights.default_weights`:
+    a GGUF file's own precision)."""
+    from specgraph.gguf_weights import default_weights
+
+    return args.weights if args.weights is not None else default_weights(model, draft)
+
+
 def _hf_label(model, fast) -> str:
     """The reference row's name: HF generate, with the precision when ``fast`` runs another than ``model``'s."""
     from specgraph.precision import as_given
@@ -394,7 +403,8 @@ def _generate_jit(args) -> int:
     try:  # a tree round writes up to 64 + 1 slots past the committed length
         fast, build_s = _timed(lambda: specgraph.compile(
             model, draft, num_speculative_tokens=K, tree=args.tree, backend=backend,
-            autotune="auto" if args.autotune is None else args.autotune, max_batch_size=1, weights=args.weights,
+            autotune="auto" if args.autotune is None else args.autotune, max_batch_size=1,
+            weights=_weights_for(args, model, draft),
             max_seq_len=_seq_bucket(ids.shape[1] + args.max_new_tokens + max(K, 64) + 2, model),
             modes=("sample",) if sample else ("greedy",), progress=not getattr(args, "quiet", False)))
     except HeadMismatchError as e:  # no trained head for this model: a fact about the files here
@@ -899,7 +909,7 @@ def cmd_bench(args) -> int:
 
         jit = specgraph.compile(model, "ngram", max_batch_size=1, max_seq_len=resolve_max_seq_len(model, None, 1024),
                                 backend=backend, modes=("greedy",), progress=not getattr(args, "quiet", False),
-                                weights=args.weights)
+                                weights=_weights_for(args, model, "ngram"))
         methods[f"specgraph ngram K=4 (JIT{', eager' if backend == 'eager' else ''})"] = jit
         settings = {"source": "model", "draft": "ngram", "num_speculative_tokens": jit.k, "backend": backend,
                     "device": str(device), "dtype": args.dtype or "float32", "weights": jit.weights}
@@ -1007,7 +1017,7 @@ def cmd_plan(args) -> int:
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
     longest = max(len(r) for r in rows) + args.max_new_tokens + max(max(grid), max(depths, default=0) + 1) + 1
     fast = specgraph.compile(model, draft, num_speculative_tokens=max(depths, default=4), backend=args.backend,
-                             weights=args.weights,
+                             weights=_weights_for(args, model, draft),
                              max_batch_size=max(args.batch_sizes + args.measure_batch_sizes), max_seq_len=longest,
                              warmup=False)  # the planner builds the shapes it times
     name = args.draft_model or args.draft

@@ -121,10 +121,9 @@ def native_model(model):
 
 
 def resolve(weights, model) -> str:
-    """``compile(weights=...)`` checked; None: ``"native"`` for a model :func:`specgraph.models.load_model`
-    loaded from a GGUF file, else the model as given (:func:`specgraph.precision.as_given`)."""
+    """``compile(weights=...)`` checked; None: the model as given (:func:`specgraph.precision.as_given`)."""
     if weights is None:
-        return "native" if gguf_path(model) is not None and not hasattr(model, "specgraph_weights") else as_given(model)
+        return as_given(model)
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     return weights
@@ -138,3 +137,12 @@ def model_at(model, weights: str):
     if weights == "native":
         return native_model(model)
     return quantize(model, weights)
+
+
+def default_weights(model, draft=None) -> str | None:
+    """What the command line runs a MODEL at when ``--weights`` is not given: ``"native"`` for a
+    model loaded from a GGUF file (its own blocks), except with a learned head (``"eagle"`` /
+    ``"medusa"``: the shipped heads match the fp32 model); None (as loaded) otherwise."""
+    if gguf_path(model) is None or hasattr(model, "specgraph_weights") or draft in ("eagle", "medusa"):
+        return None
+    return "native"

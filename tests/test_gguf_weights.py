@@ -79,8 +79,10 @@ def test_each_layer_is_built_from_its_tensor_type(gguf_model):
 
 def test_compiled_native_model_equals_hf_generate(gguf_model):
     model, _ = gguf_model
-    assert gguf_weights.resolve(None, model) == "native"  # the default for a model loaded from GGUF
-    fast = specgraph.compile(model, "ngram", backend="eager", max_seq_len=128)
+    assert gguf_weights.default_weights(model) == "native"  # the command line's default for a GGUF model
+    assert gguf_weights.default_weights(model, "eagle") is None  # heads are trained for the fp32 model
+    assert gguf_weights.resolve(None, model) == "float32"  # compile keeps the model as given
+    fast = specgraph.compile(model, "ngram", weights="native", backend="eager", max_seq_len=128)
     assert fast.weights == "native"
     ids = torch.tensor([[5, 9, 13, 9, 13, 9, 13, 21]])
     kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=[], pad_token_id=0)

@@ -39,7 +39,7 @@ class ServeConfig:
     api_key: str | None = None  # the key (Authorization: Bearer) all routes but /health, /metrics need; None: none
     allowed_hosts: tuple[str, ...] | None = LOCAL_HOSTS  # the names a Host header may carry; None: any
     max_prompt_chars: int | None = None  # longest prompt tokenized (None: 32 characters per token of max_seq_len)
-    weights: str | None = None  # compile(weights=...): None = native for a GGUF model, else the model's dtype
+    weights: str | None = None  # compile(weights=...); None: native for a GGUF model, else as loaded
 
     def __post_init__(self):
         checked_api_key(self.api_key)
@@ -59,6 +59,7 @@ def build_server(cfg: ServeConfig, compiled=None):
     import torch
 
     import specgraph
+    from specgraph.gguf_weights import default_weights
     from specgraph.models import load_model
     from specgraph.serving.engine import ServingEngine
     from specgraph.serving.server import DIR_FILTER_HINT, FILTER_HINT, create_app
@@ -82,7 +83,8 @@ def build_server(cfg: ServeConfig, compiled=None):
                                  max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
                                  autotune=cfg.autotune, backend=cfg.backend, modes=cfg.modes, warmup=plain_rounds,
                                  progress=cfg.progress, refine=cfg.refine, attention=cfg.attention,
-                                 packed_prefill=cfg.packed_prefill, weights=cfg.weights)
+                                 packed_prefill=cfg.packed_prefill,
+                                 weights=cfg.weights if cfg.weights is not None else default_weights(model, cfg.draft))
         t_compile = time.perf_counter() - t0 - t_load
         base = fast.default_sampling()
     sampling = SamplingParams(1.0, cfg.top_k if cfg.top_k is not None else base.top_k,
