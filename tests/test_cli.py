@@ -256,6 +256,30 @@ def test_generate_in_bfloat16_reports_the_dtype(tiny):
     assert got["settings"]["dtype"] == "bfloat16" and got["new_tokens"] == 6 and "compare" not in got
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_generate_with_weights_equals_hf_on_the_quantized_model(tiny, weights):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specgraph.precision import quantize
+
+    r = run("generate", tiny, "--prompt", PROMPT, "--max-new-tokens", 12, "--backend", "eager", "--json",
+            "--weights", weights)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["compare"]["equal_to_hf"] is True, got
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = quantize(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval(), weights)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert got["text"] == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_weights_a_compiled_directory_cannot_hold_is_refused(tiny, tmp_path):
+    r = run("compile", tiny, "--out", tmp_path / "out", "--weights", "int8")
+    assert r.returncode == 2 and "--weights int8" in one_line(r.stderr)
+
+
 def test_bench_json_holds_one_row_per_method(tiny):
     r = run("bench", tiny, "--prompt", PROMPT, "--max-new-tokens", 8, "--backend", "eager", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
