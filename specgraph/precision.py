@@ -191,6 +191,10 @@ def quantize(model, weights: str, shared: dict | None = None):
     current = as_given(model)
     if current == weights:
         return model
+    device = next(model.parameters()).device
+    if weights in ("int8", "int4") and device.type != "cpu":
+        raise ValueError(f"weights={weights!r} runs the CPU's int8 / int4 weight-pack kernels; the model is on "
+                         f"{device}: use weights='float32' or 'bfloat16' there")
     if current != "float32":
         raise ValueError(f"the model is already at weights={current!r}: quantize the original (fp32) model")
     memo = dict(shared or {})
