@@ -105,6 +105,9 @@ def native_model(model):
     from gguf import GGUFReader
 
     path = gguf_path(model)
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(f"weights='native' runs the CPU's int8 / int4 weight-pack kernels; the model is on {device}")
     if path is None:
         raise ValueError("weights='native' keeps a GGUF model at its file's precision: load the model with "
                          "specgraph.load_model (which records its GGUF file), or pass weights='float32', 'bfloat16', "
