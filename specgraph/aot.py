@@ -739,6 +739,10 @@ class _Weight(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(t, requires_grad=False)
 
+    @property
+    def out_features(self) -> int:  # as nn.Linear says it (the output embedding's vocabulary)
+        return self.weight.shape[0]
+
 
 class _PackagedModel(torch.nn.Module):
     """Stands in for the HF model when every graph, the prefill included, comes from packages:

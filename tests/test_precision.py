@@ -18,7 +18,7 @@ from specgraph import gguf_weights, precision
 from specgraph.precision import BF16Linear, Int4Linear, Int8Linear, quantize
 from test_architectures import tiny as tiny_family
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore:specgraph. weights=:UserWarning")
 
 PROMPT = torch.tensor([[5, 9, 13, 9, 13, 9, 13, 21]])
 NEW = 40
@@ -211,7 +211,8 @@ def test_graph_cache_packages_read_the_one_copy(tmp_path, monkeypatch):
     a second compile loads them, and both equal HF generate on the quantized model."""
     monkeypatch.setenv("SPECGRAPH_BUILD_HELPER", "off")
     model = tiny_family("llama")
-    kw = dict(weights="int4", cache=tmp_path, max_batch_size=1, max_seq_len=128, modes=("greedy",), progress=False)
+    kw = dict(weights="int4", cache=tmp_path / "graphs", max_batch_size=1, max_seq_len=128, modes=("greedy",), progress=False,
+              warmup=True)
     fast = specgraph.compile(model, "ngram", **kw)
     assert not fast.graph_cache["hit"] and fast.graph_cache["built"] >= 1 and fast.graph_cache["frozen"] == 0
     again = specgraph.compile(model, "ngram", **kw)
