@@ -6,7 +6,8 @@ For each model and each ``weights=`` precision, in a fresh process with an empty
   (the batch-1 graphs built; the larger batch buckets go on building in a helper, not counted);
 - memory: the process's peak RSS, and its RSS once the model as loaded is dropped and only the
   compiled object remains, against the object's weight bytes + KV cache bytes;
-- graph cache: bytes on disk once ``compile`` returned;
+- graph cache: bytes on disk once ``compile`` returned (the build helper's temporary copy of the
+  model, there while it builds the larger buckets, not counted);
 - plain decoding: ``compile(model, None, weights=w)`` on a prompt of random tokens, tokens/s
   against HF generate on the fp32 model and on the model at ``w`` (greedy outputs compared), and
   against the bandwidth limit: measured memory bandwidth / the weight bytes one step reads.
@@ -109,7 +110,8 @@ def one(model_name: str, weights: str, new_tokens: int, prompt_tokens: int) -> d
     t0 = time.perf_counter()
     fast = specgraph.compile(model, "ngram", weights=weights, cache=cache, progress=False)
     ready_s = time.perf_counter() - t0
-    cache_bytes = sum(p.stat().st_size for p in Path(cache).rglob("*") if p.is_file())
+    cache_bytes = sum(p.stat().st_size for p in Path(cache).rglob("*")  # not the helper's temporary model copy
+                      if p.is_file() and not any(part.startswith(".helper-model") for part in p.parts))
     weight_b, kv_b = tensor_bytes(fast.model), kv_cache_bytes(fast.model, fast.max_batch_size, fast.slots)
     graphs = fast.graph_cache["built"] + fast.graph_cache["loaded"] if fast.graph_cache else len(fast.graphs_built)
     plain = specgraph.compile(model, None, weights=weights, cache=cache, max_batch_size=1, max_seq_len=1024,
