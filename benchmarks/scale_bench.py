@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from specgraph.freezing import weight_bytes
+
 sys.path.insert(0, os.path.dirname(__file__))
 from generate_bench import write_json  # noqa: E402
 from width_profile import cpu_name  # noqa: E402
@@ -72,20 +74,11 @@ def load(name: str):
     raise ValueError(f"unknown model {name!r}")
 
 
-def tensor_bytes(model) -> int:
-    seen, total = set(), 0
-    for t in (*model.parameters(), *model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
 def step_bytes(model) -> int:
     """Bytes one decoding step reads: every tensor but the input embedding table (one row is read)."""
     emb = model.get_input_embeddings().weight
     shared = any(t.data_ptr() == emb.data_ptr() for t in (*model.parameters(), *model.buffers()) if t is not emb)
-    return tensor_bytes(model) - (0 if shared else emb.numel() * emb.element_size())
+    return weight_bytes(model) - (0 if shared else emb.numel() * emb.element_size())
 
 
 def tok_per_s(fn, new_tokens: int, repeats: int = 2) -> tuple[float, torch.Tensor]:
@@ -112,7 +105,7 @@ def one(model_name: str, weights: str, new_tokens: int, prompt_tokens: int) -> d
     ready_s = time.perf_counter() - t0
     cache_bytes = sum(p.stat().st_size for p in Path(cache).rglob("*")  # not the helper's temporary model copy
                       if p.is_file() and not any(part.startswith(".helper-model") for part in p.parts))
-    weight_b, kv_b = tensor_bytes(fast.model), kv_cache_bytes(fast.model, fast.max_batch_size, fast.slots)
+    weight_b, kv_b = weight_bytes(fast.model), kv_cache_bytes(fast.model, fast.max_batch_size, fast.slots)
     graphs = fast.graph_cache["built"] + fast.graph_cache["loaded"] if fast.graph_cache else len(fast.graphs_built)
     plain = specgraph.compile(model, None, weights=weights, cache=cache, max_batch_size=1, max_seq_len=1024,
                               modes=("greedy",), progress=False)

@@ -66,15 +66,12 @@ SG_METHODS = {  # name -> (draft, compile kwargs)
     "specgraph ngram untuned": ("ngram", {"autotune": False}),
     "specgraph self-int4": ("self-int4", {}),  # the model's own weights at int4 drafting
 }
-WEIGHTS = ("float32", "bfloat16", "int8", "int4", "native")
-
-
 def split_weights(method: str) -> tuple[str, str]:
     """("specgraph ngram", "int8") for "specgraph ngram int8": a method may end in a precision
     (``compile(weights=...)``; HF generate on ``specgraph.quantize``'s model for "hf plain int8");
     without one it runs float32."""
     head, _, last = method.rpartition(" ")
-    return (head, last) if last in WEIGHTS else (method, "float32")
+    return (head, last) if last in specgraph.WEIGHTS else (method, "float32")
 
 
 def build(model, name, args):

@@ -353,7 +353,7 @@ def _compile_into(out: Path, model, tokenizer, draft, draft_model, num_speculati
     if fast.full_width and "pt2" in formats:
         raise ValueError("this model's eager attention reads the whole cache (its rounds have no dynamic width); "
                          "AOT packages need SDPA attention: load it with attn_implementation='sdpa'")
-    autotune = freeze and resolve_autotune("auto", model)  # GEMM autotuning pays with frozen weights only
+    autotune = resolve_autotune("auto", model, freeze)
     if depths is not None and any(d > 0 for d in depths):
         fast.set_depths([d for d in depths if d > 0])
     device = next(model.parameters()).device

@@ -188,9 +188,8 @@ def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
         num_speculative_tokens = max(depths)
     elif plan is not None:
         raise ValueError("plan= is read by num_speculative_tokens='auto'")
-    autotune = False if autotune == "auto" and not freeze else resolve_autotune(autotune, model)  # pays when frozen
     config = resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze,
-                            autotune, tree_nodes, attention)
+                            resolve_autotune(autotune, model, freeze), tree_nodes, attention)
     fast = SpecGraphModel(model, config, proposers.make_proposer)
     fast.source_model = source  # the model as given, while the graph set builds (a build helper loads it)
     if auto:

@@ -227,7 +227,7 @@ def _flex_buffers_for_kernel_threads() -> bool:
     return True
 
 
-def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sdpa", weights: str = "float32") -> dict:
+def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sdpa", low_precision: bool = False) -> dict:
     """The Inductor config of every graph specgraph builds, JIT or AOT. ``freeze``: the weights
     become constants, prepacked for the GEMMs. ``autotune``: Inductor benchmarks its own GEMM
     template against the library call per shape (on an AVX-512 CPU its micro-kernel beats MKL for
@@ -239,12 +239,12 @@ def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sd
     Low-precision (bf16 / fp16) results are rounded after each operation as eager rounds them
     (``emulate_precision_casts``), not kept in fp32 through a fused kernel: the compiled rounds
     then compute the model's own law (greedy output equal to ``model.generate``).
-    ``weights`` other than float32 (:mod:`specgraph.precision`): a linear layer's bf16 rounding of
-    its input is not fused into the attention kernel before it (Inductor's CPU flex-attention
-    template takes no epilogue)."""
+    ``low_precision`` (a graph with :mod:`specgraph.precision`'s layers): a linear layer's bf16
+    rounding of its input is not fused into the attention kernel before it (Inductor's CPU
+    flex-attention template takes no epilogue)."""
     memoize_kernel_templates()
     config = {"freezing": freeze, "emulate_precision_casts": True}
-    if weights != "float32":
+    if low_precision:
         config["epilogue_fusion"] = False
     if autotune:
         config.update(max_autotune=True,
@@ -272,12 +272,13 @@ def resolve_attention(attention, model, backend) -> str:
     return attention
 
 
-def resolve_autotune(autotune, model) -> bool:
-    """``compile(autotune=...)``: True / False as given; ``"auto"``: a CPU model of at least
-    AUTOTUNE_MIN_PARAMS parameters."""
+def resolve_autotune(autotune, model, frozen: bool = True) -> bool:
+    """``compile(autotune=...)``: True / False as given; ``"auto"``: frozen graphs (GEMM autotuning
+    pays with frozen weights only) of a CPU model of at least AUTOTUNE_MIN_PARAMS parameters."""
     if autotune == "auto":
         first = next(model.parameters())
-        return first.device.type == "cpu" and sum(p.numel() for p in model.parameters()) >= AUTOTUNE_MIN_PARAMS
+        return (frozen and first.device.type == "cpu"
+                and sum(p.numel() for p in model.parameters()) >= AUTOTUNE_MIN_PARAMS)
     if not isinstance(autotune, bool):
         raise ValueError(f"autotune must be True, False or 'auto', got {autotune!r}")
     return autotune
@@ -750,7 +751,7 @@ class SpecGraphModel:
         device = next(self.model.parameters()).device
         low = self.weights != "float32" or (self.draft_model is not None
                                             and precision.as_given(self.draft_model) != "float32")
-        config = inductor_settings(device, self.freeze, self.autotune, self.attention, "low" if low else "float32")
+        config = inductor_settings(device, self.freeze, self.autotune, self.attention, low)
         self.inductor_config = dict(config)  # what every compiled graph of this object is built with
 
         def decide_freezing():

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specgraph.precision import (INT4_GROUP, WEIGHTS, BF16Linear, Int4Linear, Int8Linear, as_given, linear_weight, quantize,
+from specgraph.precision import (INT4_GROUP, WEIGHTS, BF16Linear, Int4Linear, Int8Linear, as_given, quantize,
                                  with_linears)
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -113,14 +113,7 @@ def native_model(model):
                          "specgraph.load_model (which records its GGUF file), or pass weights='float32', 'bfloat16', "
                          "'int8' or 'int4'")
     index = _RowIndex(GGUFReader(path))
-    memo = {}
-    for name, module in model.named_modules():
-        weight = linear_weight(module)
-        if weight is not None and id(module) not in memo:
-            q = _native_linear(module, weight, index, name)
-            if q is not None:
-                memo[id(module)] = q
-    return with_linears(model, memo, "native")
+    return with_linears(model, lambda name, module, weight: _native_linear(module, weight, index, name), "native")
 
 
 def resolve(weights, model) -> str:

@@ -122,12 +122,12 @@ def export_graph(fast: SpecGraphModel, g: GraphSpec, module, args: list, kv: lis
 
 
 def inductor_configs(device, freeze: bool = False, autotune: bool = False, attention: str = "sdpa",
-                     weights: str = "float32") -> dict:
+                     low_precision: bool = False) -> dict:
     """AOTInductor settings. ``freeze``: the weights become constants inside the package's .so,
     prepacked for the GEMMs (a private copy per package); else the .so holds code only and its
     constants are bound at load time. ``autotune``: Inductor's GEMM template against the library
     call per shape; otherwise as the JIT (:func:`specgraph.compiler.inductor_settings`)."""
-    return {**inductor_settings(device, freeze, autotune, attention, weights),
+    return {**inductor_settings(device, freeze, autotune, attention, low_precision),
             "aot_inductor.package_constants_in_so": freeze}
 
 
@@ -144,10 +144,11 @@ def package_graph(fast, g: GraphSpec, out: Path, device, vocab, filters, tensors
     tensors = model_tensors(fast.model) if tensors is None else tensors
     args, names = example_inputs(fast, g, vocab)
     shapes = [list(a.shape) if g.batches is None else ["batch", *a.shape[1:]] for a in args]
-    configs = inductor_configs(device, freeze, autotune, fast.attention, fast.weights)
+    low = fast.weights != "float32"
+    configs = inductor_configs(device, freeze, autotune, fast.attention, low)
     if g.kind == "packed":  # tokens and packed width dynamic; many rows' worth of tokens: every thread
         shapes = [[1, "tokens"], [1, "tokens"], [1, 1, "tokens", "width"], [1, "tokens"]]
-        configs = {**inductor_configs(device, freeze, autotune, "sdpa", fast.weights), "cpp.threads": kernel_threads()}
+        configs = {**inductor_configs(device, freeze, autotune, "sdpa", low), "cpp.threads": kernel_threads()}
     elif g.kind != "prefill":  # the attended slots come first; traced at the engine's smallest width
         args = [torch.arange(min(fast.min_attend, fast.slots - 1), device=device), *args]
         names, shapes = ["cols", *names], [["width"], *shapes]

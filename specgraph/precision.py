@@ -166,10 +166,7 @@ def linear_weight(module) -> torch.Tensor | None:
     return None
 
 
-def _quantized_linear(module, weights: str):
-    w = linear_weight(module)
-    if w is None:
-        return None
+def _quantized_linear(module, w: torch.Tensor, weights: str):
     if weights == "int8":
         return Int8Linear.quantize(w, module.bias)
     if weights == "int4" and Int4Linear.fits(*w.shape):
@@ -197,30 +194,22 @@ def quantize(model, weights: str, shared: dict | None = None):
                          f"{device}: use weights='float32' or 'bfloat16' there")
     if current != "float32":
         raise ValueError(f"the model is already at weights={current!r}: quantize the original (fp32) model")
+    return with_linears(model, lambda name, module, weight: _quantized_linear(module, weight, weights), weights,
+                        shared)
+
+
+def with_linears(model, convert, weights: str, shared: dict | None = None):
+    """A copy of ``model``, marked as precision ``weights``, in which each linear layer
+    (:func:`linear_weight`) is ``convert(name, layer, its [N, K] weight)`` unless that returns
+    None (the replaced layers' float weights are never copied). ``shared``:
+    ``{id(tensor of model): tensor}``, tensors the copy takes as they are."""
     memo = dict(shared or {})
-    for module in model.modules():
-        if id(module) not in memo:
-            q = _quantized_linear(module, weights)
-            if q is not None:
-                memo[id(module)] = q
-    return with_linears(model, memo, weights)
-
-
-def with_linears(model, replacements: dict, weights: str):
-    """A copy of ``model`` in which each module whose ``id`` is a key of ``replacements`` is that
-    value (the replaced layers' float weights are never copied), marked as precision ``weights``."""
-    out = copy.deepcopy(model, dict(replacements))
+    for name, module in model.named_modules():
+        weight = linear_weight(module)
+        if weight is not None and id(module) not in memo:
+            replacement = convert(name, module, weight)
+            if replacement is not None:
+                memo[id(module)] = replacement
+    out = copy.deepcopy(model, memo)
     out.specgraph_weights = weights
     return out.eval()
-
-
-def weight_bytes_by_format(model) -> dict[str, int]:
-    """Bytes of ``model``'s distinct tensors by dtype name (tied tensors counted once)."""
-    seen, out = set(), {}
-    for t in (*model.parameters(), *model.buffers()):
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        name = str(t.dtype).removeprefix("torch.")
-        out[name] = out.get(name, 0) + t.numel() * t.element_size()
-    return out
