@@ -39,6 +39,7 @@ from specgraph.generation import (GenerationRequest, ScoreLog, StepStreamer, Uns
 from specgraph.passes import block_sparse_attention_pass, run_step_pipeline
 from specgraph.lookup import NGRAM_TREE_MATCHES
 from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundView, TreeProposal
+from specgraph.grammar import GrammarRows, compile_grammar, grammar_spec
 from specgraph.processors import LogitsSpec, process_logits
 from specgraph.trees import SUFFIX_CHILDREN, SUFFIX_TREE_SIZES, TreeSpec, tree_from_paths
 from specgraph.templates import memoize_kernel_templates
@@ -1146,6 +1147,9 @@ class SpecGraphModel:
         generator: torch.Generator | None = None,
         tokenizer=None,
         output_logprobs: int | None = None,
+        response_format=None,
+        regex: str | None = None,
+        grammar: str | None = None,
         **kwargs,
     ):
         """Same contract as ``model.generate``: the model's ``generation_config``, then a passed
@@ -1156,7 +1160,13 @@ class SpecGraphModel:
         transformers' ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``).
         ``output_logprobs=n`` (n >= 0, an addition for serving): the output also carries each
         emitted token's log-probability and the top-n of its position
-        (:class:`specgraph.generation.SpecGenerateOutput`), computed inside the round."""
+        (:class:`specgraph.generation.SpecGenerateOutput`), computed inside the round.
+
+        Structured output (additions, with ``tokenizer=``): ``response_format`` (OpenAI's
+        ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` or
+        ``{"type": "json_object"}``), ``regex`` or ``grammar`` (EBNF) constrain every row; the
+        grammar's mask is applied inside exact verification (:mod:`specgraph.grammar`), so the
+        output follows the target's masked, renormalised law."""
         if (input_ids is None) == (inputs is None):
             raise ValueError("pass the prompt token ids as input_ids (or inputs, as model.generate names them), once")
         input_ids = input_ids if input_ids is not None else inputs
@@ -1166,6 +1176,11 @@ class SpecGraphModel:
             if isinstance(output_logprobs, bool) or not isinstance(output_logprobs, int) or output_logprobs < 0:
                 raise ValueError(f"output_logprobs must be an int >= 0 (top-n), got {output_logprobs!r}")
             req = dataclasses.replace(req, return_dict=True, logprobs=output_logprobs)
+        constraint = grammar_spec(response_format, regex, grammar)
+        if constraint is not None:
+            logits = dataclasses.replace(req.logits or LogitsSpec(), grammar=True)
+            req = dataclasses.replace(req, logits=logits,
+                                      grammar=compile_grammar(constraint, tokenizer, self.vocab, req.eos))
         if req.num_return_sequences > 1:
             input_ids = input_ids.repeat_interleave(req.num_return_sequences, dim=0)
             if attention_mask is not None:
@@ -1245,7 +1260,11 @@ class SpecGraphModel:
         start = time.perf_counter()
         # the logits processors' view of each row (padding included), and what the host checks stop on
         proc = () if req.logits is None else self._processor_state(input_ids, attention_mask, rows, req, B, device)
-        self.draft_processors = (req.logits, proc)  # a draft model's proposals go through them too
+        # a draft model's proposals go through the processors too (not the grammar: its masks are per round)
+        draft_spec = None if req.logits is None else dataclasses.replace(req.logits, grammar=False)
+        self.draft_processors = (draft_spec, proc) if draft_spec is not None and draft_spec.names() else (None, ())
+        grammar = None if req.grammar is None else GrammarRows(req.grammar, n_rows, device,
+                                                               force_drafts=self.draft in ("ngram", "suffix", "custom"))
         padded = input_ids.tolist()  # the rows as stopping criteria see them
         score_log = ScoreLog(n_rows, req) if req.return_dict else None
         extras = RoundExtras(req.logits, req.return_dict and (req.output_scores or req.output_logits), req.logprobs)
@@ -1261,7 +1280,7 @@ class SpecGraphModel:
         rounds = CompiledRounds(self, B, params, kv, proc, extras, score_log, generator)
         decode(state, self.proposer, rounds, depth, params=params, generator=generator, vocab=self.vocab,
                trees=self.tree is not None, max_new_tokens=max_new_tokens, eos=eos, stop=stop, stats=self.stats,
-               stream=stream)
+               stream=stream, grammar=grammar)
         if stream is not None:
             stream.advance(state.new, [True] * n_rows)
             stream.end()
@@ -1308,6 +1327,11 @@ class SpecGraphModel:
         return None
 
 
+def _mask(allowed) -> tuple:
+    """A round's grammar input: the positions' bitmask when the request has a grammar."""
+    return () if allowed is None else (allowed,)
+
+
 class CompiledRounds:
     """The round graphs of one ``generate`` call on a compiled object (Inductor graphs or
     AOTInductor packages), as :func:`specgraph.loop.decode` runs them: batch bucket ``B``, the
@@ -1334,7 +1358,7 @@ class CompiledRounds:
         round_fn = self.fast._round_fn(B, self.params, view.width, k, self.extras)
         q = accept_u if chain.probs is None else chain.probs
         tokens, n, *rest = round_fn(view.root, view.L, view.active, accept_u, expo, chain.drafts, q,
-                                    *self.temp, *self.proc, *self.kv)
+                                    *self.temp, *self.proc, *_mask(chain.allowed), *self.kv)
         return self._result(tokens, n, rest)
 
     def tree(self, view: RoundView, tree: TreeProposal) -> RoundResult:
@@ -1345,7 +1369,8 @@ class CompiledRounds:
             accept_u, expo = tree_noise(B, N, C, view.vocab, dev, self.generator)
         round_fn = f._tree_round_fn(B, self.params, view.width, tree.shape, self.extras)
         tokens, n, path_nodes, *rest = round_fn(view.root, view.L, view.active, accept_u, expo, tree.tokens,
-                                                tree.parents, *self.temp, *self.proc, *self.kv)
+                                                tree.parents, *self.temp, *self.proc, *_mask(tree.allowed),
+                                                *self.kv)
         if f.draft == "model":  # the draft cache holds the fed tree nodes at their tree slots too
             f._compact_fn(B, "draft")(view.L, path_nodes, n, view.active, *f.kv_cache(B, "draft"))
         return self._result(tokens, n, rest)

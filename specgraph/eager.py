@@ -32,6 +32,8 @@ class GenerationStats:
     # otherwise dilute it)
     drafted_at: list = field(default_factory=list)
     row_rounds: int = 0  # rounds x live rows (drafted or not)
+    forced: int = 0  # drafts a grammar forced (the only token it allowed there: emitted with probability one)
+    cut: int = 0  # drafts a grammar forbade (never accepted; verified positions past them are dead)
 
     @property
     def mean_emitted(self) -> float:

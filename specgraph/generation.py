@@ -101,6 +101,7 @@ class GenerationRequest:
     output_logits: bool = False
     renormalize_logits: bool = False
     logprobs: int = -1  # >= 0: emitted tokens' log-probabilities and the top-n per position
+    grammar: object = field(default=None, compare=False)  # specgraph.grammar.Grammar: structured output
     config: object = field(default=None, compare=False)  # the resolved GenerationConfig
 
 

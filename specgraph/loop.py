@@ -89,10 +89,12 @@ class LadderDepth:
 
 def decode(state: CallRows, proposer: Proposer, rounds: RoundExecutor, depth, *, params: SamplingParams,
            generator: torch.Generator | None, vocab: int, trees: bool, max_new_tokens: int, eos: list[int],
-           stop: StopRule, stats, stream=None) -> None:
+           stop: StopRule, stats, stream=None, grammar=None) -> None:
     """Run rounds until every row of ``state`` is done; ``state.new`` then holds each request
     row's tokens. ``depth`` chooses each chain round's depth (:class:`LadderDepth` or the adaptive
-    policy); ``trees``: the drafter proposes trees (a round without one is a plain step)."""
+    policy); ``trees``: the drafter proposes trees (a round without one is a plain step);
+    ``grammar`` (:class:`specgraph.grammar.GrammarRows`): each proposal gets its positions' masks
+    and forced drafts, and the grammar advances by the tokens each row keeps."""
     n_rows, device = len(state.new), state.L.device
     while not all(state.done):
         live = state.live
@@ -100,6 +102,8 @@ def decode(state: CallRows, proposer: Proposer, rounds: RoundExecutor, depth, *,
                          torch.tensor(live, device=device), generator, vocab)
         tree = proposer.propose_tree(view) if trees else None
         if tree is not None:
+            if grammar is not None:
+                tree = grammar.tree(tree, live, stats)
             out = rounds.tree(view, tree)
             k, round_depth = tree.drafted, tree.shape[2]  # drafted nodes per row, depth
         else:
@@ -110,6 +114,8 @@ def decode(state: CallRows, proposer: Proposer, rounds: RoundExecutor, depth, *,
                 if k_now:  # depth 0: a plain step (what "auto" chooses when speculation would not pay)
                     chain = proposer.propose(view, k_now)
             chain = chain or ChainProposal(0, state.hist[:, :0])
+            if grammar is not None:
+                chain = grammar.chain(chain, live, stats)
             out = rounds.chain(view, chain)
             k = round_depth = chain.k
         tokens_h, n_h = out.tokens.tolist(), out.n.tolist()  # the one host sync per round
@@ -121,6 +127,8 @@ def decode(state: CallRows, proposer: Proposer, rounds: RoundExecutor, depth, *,
                 continue
             kept[b] = state.keep(b, tokens_h[b][: n_h[b]], max_new_tokens, eos, stop)
             stats.record_row(k[b] if isinstance(k, list) else k, n_h[b], len(kept[b]), round_depth)
+        if grammar is not None:
+            grammar.advance(kept)
         proposer.observe(view, RoundOutcome(out.tokens, out.n, out.hidden, n_h, live, kept,
                                             None if isinstance(k, list) else k))
         if not state.end_when_all_finished() and stream is not None:

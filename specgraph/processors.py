@@ -48,6 +48,13 @@ class LogitsSpec:
     suppress_tokens: tuple[int, ...] = ()  # SuppressTokensLogitsProcessor
     begin_suppress_tokens: tuple[int, ...] = ()  # SuppressTokensAtBeginLogitsProcessor
     begin_offset: int = 0  # its begin index is T + begin_offset
+    grammar: bool = False  # a grammar's token bitmask per position (specgraph.grammar), applied last
+
+    @property
+    def needs_prefix(self) -> bool:
+        """Whether a processor reads each position's prefix (anything but the grammar, whose
+        per-position state the host computes)."""
+        return bool(self.names()) and self.names() != ["grammar"]
 
     @property
     def history(self) -> bool:
@@ -61,7 +68,7 @@ class LogitsSpec:
                   ("min_length", self.min_length), ("min_new_tokens", self.min_new_tokens),
                   ("forced_bos_token_id", self.forced_bos_token_id is not None),
                   ("forced_eos_token_id", self.forced_eos), ("suppress_tokens", self.suppress_tokens),
-                  ("begin_suppress_tokens", self.begin_suppress_tokens)]
+                  ("begin_suppress_tokens", self.begin_suppress_tokens), ("grammar", self.grammar)]
         return [n for n, v in fields if v]
 
 
@@ -142,6 +149,17 @@ def _suppress(x, cond, tokens):
     return x.masked_fill(cond.unsqueeze(-1) & hit, NEG_INF)
 
 
+def apply_token_bitmask(
+    x: torch.Tensor,  # [B, Q, V] float32 scores
+    allowed: torch.Tensor,  # [B, Q, ceil(V / 32)] int32: bit i of word w allows token 32 w + i
+) -> torch.Tensor:  # [B, Q, V]
+    """Every token the bitmask does not allow set to -inf (a grammar's mask, xgrammar's layout)."""
+    V = x.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    keep = ((allowed.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :V]
+    return x.masked_fill(keep == 0, NEG_INF)
+
+
 def process_logits(
     spec: LogitsSpec,
     logits: torch.Tensor,  # [B, Q, V] target logits at Q positions
@@ -150,9 +168,19 @@ def process_logits(
     L: torch.Tensor,  # [B] long, root position in the unpadded row
     path: torch.Tensor,  # [B, Q, D] long
     depth: torch.Tensor,  # [B, Q] long
+    allowed: torch.Tensor | None = None,  # [B, Q, ceil(V / 32)] int32 grammar bitmask (spec.grammar)
 ) -> torch.Tensor:  # [B, Q, V] float32
-    """The processed scores ``generate`` would compute at each position, given its own prefix."""
+    """The processed scores ``generate`` would compute at each position, given its own prefix.
+    A grammar's mask comes last, where ``generate`` runs a caller's logits processor."""
     x = logits.float()
+    if spec.needs_prefix:
+        x = _builtin_processors(spec, x, seq, meta, L, path, depth)
+    if spec.grammar:
+        x = apply_token_bitmask(x, allowed)
+    return x
+
+
+def _builtin_processors(spec: LogitsSpec, x, seq, meta, L, path, depth):
     masked, T, max_length, lead = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
     seqs, lens = prefix_sequences(seq, masked + L + 1, path, depth)
     every = torch.ones_like(lens, dtype=torch.bool)

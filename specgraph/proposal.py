@@ -47,6 +47,7 @@ class ChainProposal:
     k: int  # the round's depth: which compiled round runs
     drafts: torch.Tensor  # [B, k] long
     probs: torch.Tensor | None = None  # [B, k, V] the q rows sampled drafts were drawn from (None: deterministic)
+    allowed: torch.Tensor | None = None  # [B, k+1, ceil(V / 32)] int32: a grammar's mask at each position
 
 
 @dataclass
@@ -56,6 +57,7 @@ class TreeProposal:
     parents: torch.Tensor  # [B, N] long, -1 at the root
     shape: tuple[int, int, int]  # (N nodes, C children per node, D depth): which compiled round runs
     drafted: list[int]  # drafted nodes per row
+    allowed: torch.Tensor | None = None  # [B, N, ceil(V / 32)] int32: a grammar's mask at each node
 
 
 @dataclass

@@ -132,20 +132,22 @@ def chain_round(step, k: int, slots: int, window, params: SamplingParams, *, use
     [B, k], expo [B, k+1, V] ([B, k+1, 1] when greedy), drafts [B, k], draft_probs [B, k, V]
     (read when ``use_q``: sampled model drafts), temperature [B] (sampling ``params``: the
     temperature is an input, the filters of ``params`` are baked in), the processors' state when
-    ``spec``, then the cache, written in place. Returns (tokens [B, k+1], n [B]), then with
+    ``spec`` (seq [B, M], meta [B, 4], and with ``spec.grammar`` the positions' token bitmask
+    [B, k+1, ceil(V / 32)] int32), then the cache, written in place. Returns (tokens [B, k+1], n [B]), then with
     ``want_scores`` the processed and raw logits [B, k+1, V], with ``top_n`` >= 0 the emitted
     tokens' log-probabilities and the top-n, and with ``with_features`` the target's final features
     [B, k+1, H]. ``greedy_rows``: the sampling round in which rows at temperature 0 are verified
     greedily (returns tokens and n only)."""
     S = slots
     hid = with_features
-    n_proc = 0 if spec is None else 2
+    n_proc = 0 if spec is None else 2 + spec.grammar  # seq, meta (and the grammar's bitmask)
 
     def target(cols, root, L, active, drafts, rest):
         """(processed logits, raw logits, features) of the k+1 fed positions, and the kv tensors."""
         proc, kv = rest[:n_proc], rest[n_proc:]
         logits, hidden = chain_logits(step, root, L, active, drafts, kv, S, cols, window, hidden=True)
-        processed = logits if spec is None else process_logits(spec, logits, *proc, L, *chain_paths(drafts))
+        processed = logits if spec is None else process_logits(spec, logits, *proc[:2], L, *chain_paths(drafts),
+                                                               *proc[2:])
         return processed, logits, hidden
 
     def outputs(verified, processed, raw, hidden, temperature=None):  # heads also read the features [B, k+1, H]
@@ -194,7 +196,7 @@ def tree_round(step, shape: tuple[int, int, int], slots: int, window, params: Sa
     S = slots
     N, C, D = shape
     hid = with_features
-    n_proc = 0 if spec is None else 2
+    n_proc = 0 if spec is None else 2 + spec.grammar  # seq, meta (and the grammar's bitmask)
 
     def along(t, path_nodes):  # rows of t [B, N, X] at the accepted path's nodes [B, D+1]
         return t.gather(1, path_nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, t.shape[2]))
@@ -204,7 +206,7 @@ def tree_round(step, shape: tuple[int, int, int], slots: int, window, params: Sa
         logits, ids, children, hidden = tree_logits(step, root, L, active, tree_tokens, parents, C, kv, S,
                                                     cols, window, hidden=True)
         processed = logits if spec is None else process_logits(
-            spec, logits, *proc, L, *tree_paths(tree_tokens, parents, D))
+            spec, logits, *proc[:2], L, *tree_paths(tree_tokens, parents, D), *proc[2:])
         path_tokens, n, path_nodes = verify_tree_with_noise(
             processed if temperature is None else scaled_logits(processed, temperature), None, ids, children, D,
             noise, 1.0 if noise is not None else 0.0, params.top_k, params.top_p, params.min_p,
