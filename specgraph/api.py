@@ -37,6 +37,7 @@ def compile(
     progress: bool = True,
     cache=None,
     generation_config=None,
+    structured_output: bool = False,
     refine: str = "auto",
     attention: str = "auto",
     packed_prefill: bool = False,
@@ -147,7 +148,8 @@ def compile(
 
     ``generation_config``: a ``GenerationConfig`` whose logits processors (repetition penalty,
     no-repeat n-grams, ...) requests will use: their rounds are built (and cached) too, so those
-    requests build nothing either.
+    requests build nothing either. ``structured_output=True``: the same for requests with a
+    ``response_format``, ``regex`` or ``grammar`` (one set of rounds serves every grammar).
     """
     fast = _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size, max_seq_len, freeze, depths,
                    plan, autotune, tree_nodes, attention, weights)
@@ -161,8 +163,8 @@ def compile(
     elif refine not in graphcache.REFINE:
         raise ValueError(f"refine must be one of {graphcache.REFINE}, got {refine!r}")
     fast.warmup(modes, progress=progress and fast.graph_cache is None)
-    if generation_config is not None:
-        prepare_settings(fast, generation_config, modes, progress, refine=refine)
+    if generation_config is not None or structured_output:
+        prepare_settings(fast, generation_config, modes, progress, refine=refine, structured_output=structured_output)
     fast.source_model = None  # the helper has its own copy: the object holds only its own weights
     return fast
 
@@ -229,10 +231,11 @@ def resolve_config(model, draft, num_speculative_tokens, tree, backend, max_batc
 
 
 def prepare_settings(fast: SpecGraphModel, generation_config, modes=MODES, progress: bool = True,
-                     refine: str = "auto") -> None:
+                     refine: str = "auto", structured_output: bool = False) -> None:
     """Build (or load from the graph cache, when ``fast`` is served by one) the rounds of
-    ``generation_config``'s logits processors, so requests with them build nothing."""
-    logits = fast.logits_spec(generation_config)
+    ``generation_config``'s logits processors (None: none), with a grammar's mask when
+    ``structured_output``, so requests with them build nothing."""
+    logits = fast.logits_spec(generation_config, structured_output)
     if logits is None:
         return
     if fast.graph_cache is not None:
@@ -246,4 +249,5 @@ def prepare_settings(fast: SpecGraphModel, generation_config, modes=MODES, progr
                                 "loaded": info["loaded"] + extra["loaded"], "frozen": info["frozen"] + extra["frozen"],
                                 "refining": info["refining"] + extra["refining"],
                                 "seconds": round(info["seconds"] + extra["seconds"], 2)}
-    fast.warmup(modes, progress=progress and fast.graph_cache is None, generation_config=generation_config)
+    fast.warmup(modes, progress=progress and fast.graph_cache is None, generation_config=generation_config,
+                structured_output=structured_output)

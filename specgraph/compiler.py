@@ -583,19 +583,21 @@ class SpecGraphModel:
         sampling modes: what :meth:`warmup` builds (see :mod:`specgraph.graphset`)."""
         return plan_graph_set(self, modes)
 
-    def warmup(self, modes=MODES, progress: bool = True, generation_config=None) -> dict[str, float]:
+    def warmup(self, modes=MODES, progress: bool = True, generation_config=None,
+               structured_output: bool = False) -> dict[str, float]:
         """Build every graph of :meth:`graph_plan` now, so that no ``generate`` call compiles:
         any prompt length up to ``max_seq_len``, any batch up to ``max_batch_size``, the given
         modes. Sampling graphs are built for temperature-only sampling (top-k / top-p / min-p are
         baked into a sampling graph: a request with other filters builds its graph on first use,
         with a warning). ``progress``: a progress bar on stderr. ``generation_config``: build the
         rounds for requests with its logits processors instead (e.g. ``GenerationConfig(
-        repetition_penalty=1.1)``: each distinct processor setting has round graphs of its own).
+        repetition_penalty=1.1)``: each distinct processor setting has round graphs of its own);
+        ``structured_output``: with a grammar's mask (every grammar runs the same rounds).
         Returns {graph: seconds}."""
         plan = self.graph_plan(modes)
         vocab = self.vocab
-        if generation_config is not None:
-            plan = with_logits(plan, self.logits_spec(generation_config))
+        if generation_config is not None or structured_output:
+            plan = with_logits(plan, self.logits_spec(generation_config, structured_output))
         width = self.min_attend if self.full_width else min(self.min_attend, self.slots - 1)
         bar = Progress(len(plan), progress, verb="building")
         seconds = {}
@@ -827,10 +829,13 @@ class SpecGraphModel:
     def vocab(self) -> int:
         return self.model.get_output_embeddings().out_features
 
-    def logits_spec(self, generation_config) -> LogitsSpec | None:
-        """The logits processors requests with ``generation_config`` run (None: none)."""
+    def logits_spec(self, generation_config, structured_output: bool = False) -> LogitsSpec | None:
+        """The logits processors requests with ``generation_config`` run (None: none), with a
+        grammar (``response_format`` / ``regex`` / ``grammar``) when ``structured_output``."""
         # any prompt longer than one token: a spec does not depend on the prompt's length beyond that
-        return resolve(self.model, torch.ones(1, 2, dtype=torch.long), generation_config, vocab=self.vocab).logits
+        spec = None if generation_config is None else \
+            resolve(self.model, torch.ones(1, 2, dtype=torch.long), generation_config, vocab=self.vocab).logits
+        return dataclasses.replace(spec or LogitsSpec(), grammar=True) if structured_output else spec
 
     def default_sampling(self) -> SamplingParams:
         """The graph settings of a plain ``do_sample=True`` request on this model: its

@@ -200,21 +200,27 @@ def example_inputs(fast, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
         S = fast.slots
         temperature = ([*temperature[0], torch.zeros(B, 2 * S, **long), torch.tensor([[0, 1, S, 0]] * B, **long)],
                        [*temperature[1], "seq", "meta"])
+    def grammar(Q):  # a grammar's token bitmask per position: every token allowed
+        if g.logits is None or not g.logits.grammar:
+            return [], []
+        return [torch.full((B, Q, (vocab + 31) // 32), -1, dtype=torch.int32, device=dev)], ["allowed"]
     if g.kind == "round":
         k = g.depth
         accept_u = torch.zeros(B, k, device=dev)
         expo = torch.ones(B, k + 1, vocab if sample else 1, device=dev)
         drafts = torch.zeros(B, k, **long)
         draft_probs = torch.full((B, k, vocab), 1.0 / vocab, device=dev) if sample and fast.draft_q else accept_u
-        return ([root, L, active, accept_u, expo, drafts, draft_probs, *temperature[0]],
-                ["root", "L", "active", "accept_u", "expo", "drafts", "draft_probs", *temperature[1]])
+        mask, mask_name = grammar(k + 1)
+        return ([root, L, active, accept_u, expo, drafts, draft_probs, *temperature[0], *mask],
+                ["root", "L", "active", "accept_u", "expo", "drafts", "draft_probs", *temperature[1], *mask_name])
     if g.kind == "tree":
         N, C, _ = g.tree
         parents = torch.arange(-1, N - 1, **long).expand(B, N).contiguous()  # a chain: any valid tree traces the same graph
+        mask, mask_name = grammar(N)
         return ([root, L, active, torch.zeros(B, N, C, device=dev),
                  torch.ones(B, N, vocab if sample else 1, device=dev), torch.zeros(B, N, **long), parents,
-                 *temperature[0]],
-                ["root", "L", "active", "accept_u", "expo", "tree_tokens", "parents", *temperature[1]])
+                 *temperature[0], *mask],
+                ["root", "L", "active", "accept_u", "expo", "tree_tokens", "parents", *temperature[1], *mask_name])
     if g.kind == "draft":
         Q = g.depth
         return ([torch.zeros(B, Q, **long), L + Q, active, torch.ones(B, vocab if sample else 1, device=dev)],

@@ -356,3 +356,18 @@ def test_negative_controls_fail_the_law(law_models, monkeypatch, control):
         return  # detected outright: a continuation the grammar forbids was emitted
     p = sg_pvalue(counts, law)
     assert p < ALPHA, f"{control}: not detected (p = {p:.3g})"
+
+
+def test_structured_output_rounds_are_built_and_cached_at_compile(target, tok):
+    """``compile(structured_output=True)`` packages the grammar's rounds in the graph cache: a
+    request with a grammar then builds nothing, and a second object loads them."""
+    ids, mask = batch(tok, PROMPTS[:1])
+    kw = dict(max_batch_size=1, max_seq_len=256, modes=("greedy",), structured_output=True, warmup=True,
+              progress=False)
+    for _ in range(2):
+        fast = specgraph.compile(target, "ngram", **kw)
+        built = len(fast.graphs_built)
+        out = fast.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, tokenizer=tok, regex=REGEX)
+        assert len(fast.graphs_built) == built
+        assert torch.equal(out, hf_greedy(target, tok, ids, mask, dict(regex=REGEX), 40))
+    assert fast.graph_cache["hit"]
