@@ -80,10 +80,11 @@ def vllm_rows(args, hf_outputs) -> list[dict]:
     for schema in (False, True):
         cmd = [args.vllm_python, os.path.join(os.path.dirname(__file__), "vllm_stream.py"), "--model-dir",
                str(specgraph.models.gguf_cache_folder()), "--method", "ngram", "--prompts", "json",
-               "--max-new-tokens", str(args.max_new_tokens)] + (["--schema"] if schema else [])
+               "--max-new-tokens", str(args.max_new_tokens), "--memory-fraction", "0.5"] + (["--schema"] if schema else [])
         res = subprocess.run(cmd, capture_output=True, text=True)
         line = next((ln for ln in res.stdout.splitlines() if ln.startswith("vllm_stream result: ")), None)
         if line is None:
+            print(res.stderr[-6000:], file=sys.stderr)
             rows.append({"method": f"vllm ngram{' schema' if schema else ''}", "error": res.stderr[-2000:]})
             continue
         r = json.loads(line.removeprefix("vllm_stream result: "))

@@ -20,6 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from json_prompts import JSON_PROMPTS  # noqa: E402
 from stream_prompts import PROMPTS  # noqa: E402
 
 
@@ -34,6 +35,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--prompts", choices=["stream", "json"], default="stream",
+                    help="json: the structured-output stream of benchmarks/json_prompts.py")
+    ap.add_argument("--schema", action="store_true", help="constrain each json request to its schema (xgrammar)")
+    ap.add_argument("--memory-fraction", type=float, default=None,
+                    help="vLLM's gpu_memory_utilization: the share of CPU memory it reserves (beside another process)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -42,6 +48,8 @@ def main(argv=None) -> int:
     if args.method == "ngram":
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                                     "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    if args.memory_fraction is not None:
+        kw["gpu_memory_utilization"] = args.memory_fraction
     llm = LLM(model=args.model_dir, dtype="float32", max_model_len=args.max_seq_len, seed=0, **kw)
     startup_s = time.perf_counter() - t0
     tok = llm.get_tokenizer()
@@ -51,14 +59,24 @@ def main(argv=None) -> int:
         out = out["input_ids"] if hasattr(out, "keys") else out  # a BatchEncoding in recent transformers
         return [int(t) for t in out]
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-    llm.generate([{"prompt_token_ids": ids("Say hello.")}], params, use_tqdm=False)  # warm-up
-    prompts = [ids(text) for _, text in PROMPTS]
+    def params(schema=None):
+        if not args.schema or schema is None:
+            return SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens,
+                              structured_outputs=StructuredOutputsParams(json=schema))
+
+    stream = [(text, None) for _, text in PROMPTS] if args.prompts == "stream" else \
+        [(text, schema) for _, text, schema in JSON_PROMPTS]
+    llm.generate([{"prompt_token_ids": ids("Say hello.")}], params(stream[0][1]), use_tqdm=False)  # warm-up
+    prompts = [(ids(text), schema) for text, schema in stream]
     outputs, tokens, seconds = [], 0, 0.0
     for i in range(0, len(prompts), args.batch):
-        group = [{"prompt_token_ids": p} for p in prompts[i:i + args.batch]]
+        chunk = prompts[i:i + args.batch]
+        group = [{"prompt_token_ids": p} for p, _ in chunk]
         t1 = time.perf_counter()
-        res = llm.generate(group, params, use_tqdm=False)
+        res = llm.generate(group, [params(schema) for _, schema in chunk], use_tqdm=False)
         seconds += time.perf_counter() - t1
         for r in res:
             outputs.append(list(r.outputs[0].token_ids))

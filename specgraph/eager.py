@@ -32,7 +32,7 @@ class GenerationStats:
     # otherwise dilute it)
     drafted_at: list = field(default_factory=list)
     row_rounds: int = 0  # rounds x live rows (drafted or not)
-    forced: int = 0  # drafts a grammar forced (the only token it allowed there: emitted with probability one)
+    forced: int = 0  # drafts a grammar supplied (a token or string it forces where the drafter had none allowed)
     cut: int = 0  # drafts a grammar forbade (never accepted; verified positions past them are dead)
 
     @property

@@ -16,9 +16,11 @@ Two things come with the masks for free:
 
 * a draft the grammar forbids can never be accepted (its probability is 0): the positions after
   it are dead, and their masks are left open;
-* where the grammar allows exactly one token (JSON punctuation, the rest of a key), that token
-  is emitted with probability one, so it replaces the drafted token (deterministic drafts only:
-  a sampled draft's q row says what it was drawn from).
+* where the grammar allows exactly one token, that token is emitted with probability one, so it
+  replaces the drafted token; where it forbids the drafted token but forces a string (a JSON key
+  and its punctuation, which a BPE vocabulary can split many ways, so no single token is forced),
+  the string's tokens replace the drafts from there (deterministic drafts only: a sampled draft's
+  q row says what it was drawn from).
 
 Masks are xgrammar bitmasks, int32 [B, Q, ceil(V / 32)]: bit i of word w allows token 32 w + i.
 xgrammar (rather than llguidance) because its mask is the cheaper of the two at vocabulary 49k
@@ -130,6 +132,7 @@ class Grammar:
     compiled: object  # xgrammar.CompiledGrammar
     vocab: int
     eos: tuple[int, ...]
+    encode: object = None  # text -> token ids (a transformers tokenizer's), for forced strings as drafts
 
     def matcher(self):
         """A fresh matcher at the start of the output."""
@@ -141,7 +144,7 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab: int, eos) -> Grammar:
     ``xgrammar.TokenizerInfo`` for a vocabulary of one's own) and a model with ``vocab`` logits.
     The grammar ends on one of the ``eos`` tokens; without one it could never end, so none is an
     error."""
-    eos = tuple(int(t) for t in eos)
+    eos = (int(eos),) if isinstance(eos, int) else tuple(int(t) for t in (eos or ()))
     if not eos:
         raise ValueError("structured output needs an eos_token_id: the grammar's end is where generation stops")
     if tokenizer is None:
@@ -159,11 +162,17 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab: int, eos) -> Grammar:
             compiled = comp.compile_grammar(spec.source)
     except RuntimeError as e:  # xgrammar reports bad schemas, regexes and grammars this way
         raise ValueError(f"cannot compile the {spec.kind.replace('_', ' ')}: {e}") from None
-    return Grammar(spec, compiled, vocab, eos)
+    encode = None if not hasattr(tokenizer, "encode") else \
+        (lambda text: tokenizer.encode(text, add_special_tokens=False))
+    return Grammar(spec, compiled, vocab, eos, encode)
 
 
 def bitmask_words(vocab: int) -> int:
     return (vocab + 31) // 32
+
+
+def _allows(words: np.ndarray, token: int) -> bool:
+    return bool((int(words[token >> 5]) >> (token & 31)) & 1)
 
 
 def _only_token(words: np.ndarray) -> int | None:
@@ -209,10 +218,11 @@ class GrammarRows:
                 m.fill_next_token_bitmask(flat, b * (k + 1) + j)
                 if j == k:
                     break
-                only = _only_token(flat[b * (k + 1) + j].numpy()) if force else None
-                if only is not None and only != drafts[b][j]:
-                    drafts[b][j], changed = only, True
-                    stats.forced += 1
+                if force:
+                    supplied = self._forced(m, flat[b * (k + 1) + j].numpy(), drafts[b][j], k - j)
+                    if supplied:
+                        drafts[b][j: j + len(supplied)], changed = supplied, True
+                        stats.forced += len(supplied)
                 if not m.accept_token(drafts[b][j]):
                     stats.cut += k - j  # positions j+1.. are never reached: their masks stay open
                     break
@@ -220,6 +230,19 @@ class GrammarRows:
             m.rollback(taken)
         new_drafts = torch.tensor(drafts, dtype=torch.long, device=self.device).view(B, k) if changed else chain.drafts
         return dataclasses.replace(chain, drafts=new_drafts, allowed=allowed.to(self.device))
+
+    def _forced(self, m, words: np.ndarray, draft: int, room: int) -> list[int]:
+        """Drafts the grammar supplies at a position whose mask is ``words``, in place of ``draft``:
+        the one token it allows (emitted with probability one), or, where it forbids the draft,
+        the tokens of the string it forces next (JSON keys and punctuation split into several
+        tokens: a guess the target verifies like any draft); [] to keep the draft."""
+        only = _only_token(words)
+        if only is not None:
+            return [only] if only != draft else []
+        if _allows(words, draft) or self.grammar.encode is None:
+            return []
+        text = m.find_jump_forward_string()
+        return list(self.grammar.encode(text))[:room] if text else []
 
     def tree(self, tree: TreeProposal, live: list[bool], stats) -> TreeProposal:
         """``tree`` with the mask of each node (the state after its drafted path)."""
