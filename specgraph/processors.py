@@ -11,6 +11,10 @@ greedy verification then takes the processed argmax and sampled verification the
 Everything is static-shaped tensor work with the settings baked in (:class:`LogitsSpec` is
 hashable and keys compiled graphs): no host sync, so it traces into the round's graph.
 
+A grammar (structured output, :mod:`specgraph.grammar`) is the one processor whose per-position
+state lives on the host: the round takes its token bitmask per position as an input and applies
+it last (:func:`apply_token_bitmask`), where ``generate`` runs a caller's logits processor.
+
 The per-request state the round needs besides its drafts:
 
 * ``seq`` ``[B, M]`` long: each row as ``generate`` sees it: the caller's ``input_ids`` row

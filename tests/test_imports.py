@@ -19,7 +19,7 @@ LAYERS = [
     ("core", {"warping", "trees", "verify", "capture", "freezing", "artifacts", "models", "perfmodel", "graphset", "rounds",
               "processors", "generation", "templates", "lookup", "packing", "limits", "precision", "gguf_weights",
               "kernels", "passes"}),
-    ("engine", {"compiler", "callrows", "eager", "loop", "packages", "proposal", "timing"}),
+    ("engine", {"compiler", "callrows", "eager", "loop", "packages", "proposal", "timing", "grammar"}),
     ("drafters", {"drafters", "suffix", "heads", "learned", "proposers"}),
     ("policy", {"adaptive", "planner"}),
     ("api", {"api", "graphcache", "buildworker"}),
