@@ -46,13 +46,13 @@ class ReferenceGrammar(LogitsProcessor):
     """The constraint as transformers runs a logits processor: each row's matcher accepts the
     row's last token, then the scores are masked with xgrammar's own bitmask kernel."""
 
-    def __init__(self, compiled, prompt_length: int, vocab: int):
-        self.compiled, self.T, self.V = compiled, prompt_length, vocab
+    def __init__(self, compiled, prompt_length: int, vocab: int, eos: int = EOS):
+        self.compiled, self.T, self.V, self.eos = compiled, prompt_length, vocab, eos
         self.matchers = None
 
     def __call__(self, input_ids, scores):
         if self.matchers is None:
-            self.matchers = [xgr.GrammarMatcher(self.compiled, override_stop_tokens=[EOS]) for _ in input_ids]
+            self.matchers = [xgr.GrammarMatcher(self.compiled, override_stop_tokens=[self.eos]) for _ in input_ids]
         mask = xgr.allocate_token_bitmask(len(input_ids), self.V)
         for b, m in enumerate(self.matchers):
             if input_ids.shape[1] > self.T and not m.is_terminated():
@@ -371,3 +371,43 @@ def test_structured_output_rounds_are_built_and_cached_at_compile(target, tok):
         assert len(fast.graphs_built) == built
         assert torch.equal(out, hf_greedy(target, tok, ids, mask, dict(regex=REGEX), 40))
     assert fast.graph_cache["hit"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the real model: SmolLM2's BPE vocabulary (49,152 tokens), JSON answers
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    pytest.importorskip("gguf")
+    from specgraph.models import load_model
+
+    try:
+        return load_model("default")
+    except (ImportError, FileNotFoundError) as e:
+        pytest.skip(f"default model not installed: {e}")
+
+
+@pytest.mark.slow
+def test_smollm2_json_answers_equal_generate_and_validate(smollm2):
+    import jsonschema
+
+    model, tok = smollm2
+    V, eos = model.get_output_embeddings().out_features, model.generation_config.eos_token_id
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "city": {"type": "string"}}, "required": ["name", "age", "city"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    fast = specgraph.compile(model, "ngram", backend="eager", max_batch_size=1, max_seq_len=512)
+    comp = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=V, stop_token_ids=[eos]))
+    for text in ("Maria Lopez, 34, is an architect in Valencia. Give her name, age and city as JSON.",
+                 "Tom Becker (41) moved here from Hamburg. Give his name, age and city as JSON."):
+        enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      return_tensors="pt")
+        ids = enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
+        out = fast.generate(ids, max_new_tokens=64, do_sample=False, tokenizer=tok, response_format=rf)
+        ref_proc = ReferenceGrammar(comp.compile_json_schema(json.dumps(schema)), ids.shape[1], V, eos)
+        ref = model.generate(ids, max_new_tokens=64, do_sample=False, logits_processor=LogitsProcessorList([ref_proc]))
+        assert torch.equal(out, ref)
+        new = out[0, ids.shape[1]:].tolist()
+        assert eos in new
+        jsonschema.validate(json.loads(tok.decode(new[:new.index(eos)])), schema)
