@@ -314,12 +314,57 @@ def _hf_label(model, fast) -> str:
     return "HF generate (plain)" if fast.weights == as_given(model) else f"HF generate (plain, {fast.weights})"
 
 
-def _hf_reference(model, ids, gkw):
+def _hf_reference(model, ids, gkw, processors=lambda: None):
+    """HF generate's output and seconds; ``processors()``: a fresh logits-processor list per call
+    (a grammar's matchers keep state)."""
     import torch
 
     with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), **{**gkw, "max_new_tokens": 8})  # warm-up
-        return _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **gkw))
+        model.generate(ids, attention_mask=torch.ones_like(ids), logits_processor=processors(),
+                       **{**gkw, "max_new_tokens": 8})  # warm-up
+        return _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), logits_processor=processors(),
+                                             **gkw))
+
+
+def _grammar_processors(constraint: dict, tok, fast, gkw, ids):
+    """The constraint as HF logits processors (fresh per call), or None without one."""
+    if not constraint:
+        return lambda: None
+    from transformers import LogitsProcessorList
+
+    from specgraph.grammar import GrammarLogitsProcessor, compile_grammar, grammar_spec
+
+    spec = grammar_spec(constraint.get("response_format"), constraint.get("regex"), constraint.get("grammar"))
+    eos = gkw.get("eos_token_id", fast.model.generation_config.eos_token_id)
+    g = compile_grammar(spec, tok, fast.vocab, eos)
+    return lambda: LogitsProcessorList([GrammarLogitsProcessor(g, ids.shape[1])])
+
+
+def _text_or_file(value: str) -> str:
+    """An argument that is a file's path or the text itself."""
+    from pathlib import Path
+
+    path = Path(value)
+    return path.read_text() if len(value) < 4096 and path.is_file() else value
+
+
+def _constraint_kwargs(args) -> dict:
+    """generate's structured-output arguments from --json-schema / --json-object / --regex / --grammar."""
+    import json
+
+    if getattr(args, "json_schema", None) is not None:
+        try:
+            schema = json.loads(_text_or_file(args.json_schema))
+        except json.JSONDecodeError as e:
+            _die(f"--json-schema is neither a JSON file nor JSON: {e}")
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+    if getattr(args, "json_object", False):
+        return {"response_format": {"type": "json_object"}}
+    if getattr(args, "regex", None) is not None:
+        return {"regex": args.regex}
+    if getattr(args, "grammar", None) is not None:
+        return {"grammar": _text_or_file(args.grammar)}
+    return {}
 
 
 def _print_json(obj) -> None:
@@ -391,6 +436,7 @@ def _generate_jit(args) -> int:
     backend = args.backend or "inductor"
     K = args.num_speculative_tokens or 4
     _check_model_arg(args.model)
+    constraint = _constraint_kwargs(args)  # a malformed schema fails before the model loads
     device, dtype = _torch_device(args.device), _torch_dtype(args.dtype)
     model, tok = _load_model_reporting(args.model, args, dtype=dtype, device=device)
     ids = _chat_ids(tok, args.prompt).to(device)
@@ -406,11 +452,18 @@ def _generate_jit(args) -> int:
             autotune="auto" if args.autotune is None else args.autotune, max_batch_size=1,
             weights=_weights_for(args, model, draft),
             max_seq_len=_seq_bucket(ids.shape[1] + args.max_new_tokens + max(K, 64) + 2, model),
-            modes=("sample",) if sample else ("greedy",), progress=not getattr(args, "quiet", False)))
+            modes=("sample",) if sample else ("greedy",), progress=not getattr(args, "quiet", False),
+            structured_output=bool(constraint)))
     except HeadMismatchError as e:  # no trained head for this model: a fact about the files here
         _die(str(e), 1)
     except ValueError as e:
         _die(str(e))
+    if constraint:
+        try:  # a schema, regex or grammar that does not compile: say so before generating
+            fast.generate(ids, max_new_tokens=1, tokenizer=tok, **constraint)
+        except ValueError as e:
+            _die(str(e))
+        constraint["tokenizer"] = tok
     if _processor_kwargs(args):  # the processors' own round graphs, before generating
         from transformers import GenerationConfig
 
@@ -431,11 +484,11 @@ def _generate_jit(args) -> int:
     else:
         _progress(args, f"compile: {len(fast.graphs_built)} graphs built in {build_s:.1f} s")
     _, dt = _timed(lambda: fast.generate(ids, **{**gkw, "max_new_tokens": min(8, args.max_new_tokens)},
-                                         generator=torch.Generator(device=device).manual_seed(args.seed)))
+                                         generator=torch.Generator(device=device).manual_seed(args.seed), **constraint))
     _progress(args, f"warm-up call done in {dt:.1f} s")
     streamer = _streamer(tok, args.stream)
     out, sg_s = _timed(lambda: fast.generate(ids, generator=torch.Generator(device=device).manual_seed(args.seed),
-                                             streamer=streamer, **gkw))
+                                             streamer=streamer, **gkw, **constraint))
     stats = fast.stats
     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     n_new = out.shape[1] - ids.shape[1]
@@ -447,7 +500,7 @@ def _generate_jit(args) -> int:
         "compile_seconds": build_s, "graphs_built": len(fast.graphs_built),
         "graph_cache": fast.graph_cache})
     if args.compare is not False:  # HF generate on the model at the compiled precision: the reference
-        ref, hf_s = _hf_reference(fast.model, ids, gkw)
+        ref, hf_s = _hf_reference(fast.model, ids, gkw, _grammar_processors(constraint, tok, fast, gkw, ids))
         result["compare"] = cmp = _compare_result(out, ref, ids.shape[1], sg_s, hf_s, sample)
         if not args.json:
             equal = "n/a (sampling)" if sample else str(cmp["equal_to_hf"])
@@ -486,6 +539,9 @@ def _generate_from_dir(args) -> int:
 
     from specgraph.aot import read_manifest
 
+    if _constraint_kwargs(args):
+        _die(f"--json-schema / --json-object / --regex / --grammar apply to MODEL; {args.model} is a compiled "
+             "directory, whose rounds have no grammar input")
     for flag, value in (("--draft", args.draft), ("--tree", args.tree), ("--backend", args.backend),
                         ("--num-speculative-tokens", args.num_speculative_tokens), ("--autotune", args.autotune)):
         if value is not None:
@@ -1156,6 +1212,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-repeat-ngram-size", type=int, default=None,
                    help="forbid repeating n-grams of this size, along drafted paths too (default: the model's)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    so = g.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                    help="MODEL only: answer with JSON valid against this schema (a file or the schema itself), "
+                         "its mask applied at every drafted position")
+    so.add_argument("--json-object", action="store_true", help="MODEL only: answer with any JSON object")
+    so.add_argument("--regex", default=None, help="MODEL only: answer with a full match of this regular expression")
+    so.add_argument("--grammar", default=None, metavar="FILE|EBNF",
+                    help="MODEL only: answer with a sentence of this EBNF grammar (rule root; a file or the text)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     _add_device_flags(g, dir_ok=True)
     g.add_argument("--stream", action="store_true", help="print tokens to stdout as they are generated")

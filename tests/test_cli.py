@@ -248,6 +248,35 @@ def test_generate_with_logits_processors_equals_hf(tiny):
     assert "inside generate" not in r.stderr  # the processors' graphs were built before generating
 
 
+@pytest.fixture(scope="module")
+def tiny_with_eos(tmp_path_factory, char_tokenizer) -> Path:
+    """The tiny model ending on the character tokenizer's </s> (a grammar needs an end)."""
+    from transformers import GenerationConfig
+
+    path = _save_tiny(tmp_path_factory.mktemp("tiny_eos") / "model", char_tokenizer())
+    GenerationConfig(eos_token_id=2, pad_token_id=0).save_pretrained(path)
+    return path
+
+
+def test_generate_with_a_regex_equals_hf_with_the_same_mask(tiny_with_eos):
+    import re
+
+    regex = r"[a-c]{2,4}(-[a-c]{2}){1,3}\."
+    r = run("generate", tiny_with_eos, "--prompt", PROMPT, "--max-new-tokens", 24, "--backend", "eager", "--json",
+            "--dtype", "float32", "--device", "cpu", "--regex", regex)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["compare"]["equal_to_hf"] is True, got
+    assert re.fullmatch(regex, got["text"]), got["text"]  # the grammar ends the answer (EOS, skipped in the text)
+
+
+def test_generate_refuses_a_schema_that_does_not_parse(tiny_with_eos):
+    r = run("generate", tiny_with_eos, "--prompt", PROMPT, "--backend", "eager", "--json-schema", "{not json")
+    assert r.returncode == 2 and "--json-schema" in one_line(r.stderr)
+    r = run("generate", tiny_with_eos, "--prompt", PROMPT, "--backend", "eager", "--grammar", "root ::= ")
+    assert r.returncode == 2 and "cannot compile" in r.stderr
+
+
 def test_generate_in_bfloat16_reports_the_dtype(tiny):
     r = run("generate", tiny, "--prompt", PROMPT, "--max-new-tokens", 6, "--backend", "eager", "--json",
             "--dtype", "bfloat16", "--no-compare")
