@@ -231,6 +231,25 @@ class GrammarRows:
         new_drafts = torch.tensor(drafts, dtype=torch.long, device=self.device).view(B, k) if changed else chain.drafts
         return dataclasses.replace(chain, drafts=new_drafts, allowed=allowed.to(self.device))
 
+    def propose(self, k: int, live: list[bool], stats) -> ChainProposal | None:
+        """A chain of the strings the grammar forces next (a JSON key and its punctuation), for a
+        round whose drafter proposed nothing; None when no live row has one. Rows without one
+        draft padding, which verification rejects."""
+        if not (self.force_drafts and FORCED_DRAFTS) or self.grammar.encode is None:
+            return None
+        rows = [[] for _ in self.matchers]
+        for b, m in enumerate(self.matchers):
+            if live[b] and not m.is_terminated():
+                text = m.find_jump_forward_string()
+                rows[b] = list(self.grammar.encode(text))[:k] if text else []
+        if not any(rows):
+            return None
+        stats.forced += sum(map(len, rows))
+        drafts = torch.zeros(len(live), k, dtype=torch.long)
+        for b, r in enumerate(rows):
+            drafts[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        return ChainProposal(k, drafts.to(self.device))
+
     def _forced(self, m, words: np.ndarray, draft: int, room: int) -> list[int]:
         """Drafts the grammar supplies at a position whose mask is ``words``, in place of ``draft``:
         the one token it allows (emitted with probability one), or, where it forbids the draft,
@@ -274,8 +293,7 @@ class GrammarRows:
 
     def advance(self, kept: list[list[int]]) -> None:
         """Each row's matcher accepts the tokens the row kept this round."""
-        for b, toks in enumerate(kept):
-            m = self.matchers[b]
+        for b, (m, toks) in enumerate(zip(self.matchers, kept)):  # (rows past the request's: padding)
             for t in toks:
                 if not m.accept_token(int(t)):
                     raise RuntimeError(f"row {b} kept token {t}, which its grammar does not allow: the grammar "

@@ -113,6 +113,8 @@ def decode(state: CallRows, proposer: Proposer, rounds: RoundExecutor, depth, *,
                 k_now = depth.choose(state.done, state.L_host, state.hist, left)
                 if k_now:  # depth 0: a plain step (what "auto" chooses when speculation would not pay)
                     chain = proposer.propose(view, k_now)
+                    if chain is None and grammar is not None:  # no drafts: the grammar's forced strings, if any
+                        chain = grammar.propose(k_now, live, stats)
             chain = chain or ChainProposal(0, state.hist[:, :0])
             if grammar is not None:
                 chain = grammar.chain(chain, live, stats)

@@ -131,6 +131,17 @@ def test_greedy_equals_generate_with_the_grammar_as_a_processor(target, tok, com
         assert fast.stats.drafted > 0
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "suffix-tree"])
+def test_a_batch_smaller_than_its_bucket(target, tok, drafter):
+    """Three rows run in the bucket of 4: the padding row has no grammar."""
+    ids, mask = batch(tok, PROMPTS + ["x"])
+    draft = drafter.removesuffix("-tree")
+    fast = specgraph.compile(target, draft, tree="dynamic" if drafter.endswith("tree") else None, backend="eager",
+                             max_batch_size=4, max_seq_len=256)
+    out = fast.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, tokenizer=tok, regex=REGEX)
+    assert torch.equal(out, hf_greedy(target, tok, ids, mask, dict(regex=REGEX), 32))
+
+
 def test_greedy_equals_generate_through_inductor(target, tok):
     ids, mask = batch(tok, PROMPTS)
     fast = specgraph.compile(target, "ngram", max_batch_size=2, max_seq_len=256, modes=("greedy",), cache=False,
