@@ -19,8 +19,9 @@ Two things come with the masks for free:
 * where the grammar allows exactly one token, that token is emitted with probability one, so it
   replaces the drafted token; where it forbids the drafted token but forces a string (a JSON key
   and its punctuation, which a BPE vocabulary can split many ways, so no single token is forced),
-  the string's tokens replace the drafts from there (deterministic drafts only: a sampled draft's
-  q row says what it was drawn from).
+  the string's tokens replace the drafts from there, and a round whose drafter found nothing
+  drafts that string (deterministic drafts only: a sampled draft's q row says what it was drawn
+  from).
 
 Masks are xgrammar bitmasks, int32 [B, Q, ceil(V / 32)]: bit i of word w allows token 32 w + i.
 xgrammar (rather than llguidance) because its mask is the cheaper of the two at vocabulary 49k
