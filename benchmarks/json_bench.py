@@ -75,12 +75,37 @@ def runner(method, model, fast, tok, kw):
     return hf if method.startswith("hf") else sg
 
 
+def stream_pass(runs, totals, outputs, fast, tok, eos, counted: bool) -> None:
+    """One pass over the stream, methods interleaved prompt by prompt; ``counted``: the pass whose
+    rounds, forced drafts and validity are reported (every pass yields the same tokens)."""
+    for name, text, schema in JSON_PROMPTS:
+        ids = chat_ids(tok, text)
+        for m, run in runs.items():
+            t1 = time.perf_counter()
+            with torch.no_grad():
+                out = run(name, ids, schema)
+            dt = time.perf_counter() - t1
+            new = new_tokens(out[0], ids.shape[1], eos)
+            t = totals[m]
+            t["tokens"] += len(new)
+            t["seconds"] += dt
+            if counted and m.startswith("specgraph"):
+                t["rounds"] += fast.stats.rounds
+                t["forced"] += fast.stats.forced
+            if counted and new and new[-1] == eos:
+                t["finished"] += 1
+                t["valid"] += valid(tok.decode(new[:-1]), schema)
+            outputs[m].append(new)
+        print(f"{name} done", file=sys.stderr, flush=True)
+
+
 def vllm_rows(args, hf_outputs) -> list[dict]:
     rows = []
     for schema in (False, True):
         cmd = [args.vllm_python, os.path.join(os.path.dirname(__file__), "vllm_stream.py"), "--model-dir",
                str(specgraph.models.gguf_cache_folder()), "--method", "ngram", "--prompts", "json",
-               "--max-new-tokens", str(args.max_new_tokens), "--memory-fraction", "0.5"] + (["--schema"] if schema else [])
+               "--max-new-tokens", str(args.max_new_tokens), "--memory-fraction", "0.5", "--runs", str(args.runs)] + \
+            (["--schema"] if schema else [])
         res = subprocess.run(cmd, capture_output=True, text=True)
         line = next((ln for ln in res.stdout.splitlines() if ln.startswith("vllm_stream result: ")), None)
         if line is None:
@@ -101,6 +126,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=METHODS)
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--vllm-python", default=None, metavar="PY")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="passes over the stream (interleaved again each pass; tokens/s per pass and in all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",")]
@@ -119,27 +146,14 @@ def main(argv=None) -> int:
         with torch.no_grad():
             run(JSON_PROMPTS[0][0], warm, JSON_PROMPTS[0][2])
         warm_s[m] = time.perf_counter() - t1
-    totals = {m: {"tokens": 0, "seconds": 0.0, "rounds": 0, "forced": 0, "valid": 0, "finished": 0} for m in methods}
-    outputs = {m: [] for m in methods}
-    for name, text, schema in JSON_PROMPTS:
-        ids = chat_ids(tok, text)
-        for m, run in runs.items():  # interleaved
-            t1 = time.perf_counter()
-            with torch.no_grad():
-                out = run(name, ids, schema)
-            dt = time.perf_counter() - t1
-            new = new_tokens(out[0], ids.shape[1], eos)
-            t = totals[m]
-            t["tokens"] += len(new)
-            t["seconds"] += dt
-            if m.startswith("specgraph"):
-                t["rounds"] += fast.stats.rounds
-                t["forced"] += fast.stats.forced
-            if new and new[-1] == eos:
-                t["finished"] += 1
-                t["valid"] += valid(tok.decode(new[:-1]), schema)
-            outputs[m].append(new)
-        print(f"{name} done", file=sys.stderr, flush=True)
+    totals = {m: {"tokens": 0, "seconds": 0.0, "rounds": 0, "forced": 0, "valid": 0, "finished": 0,
+                  "tokens_per_s_runs": []} for m in methods}
+    for run_i in range(args.runs):
+        outputs = {m: [] for m in methods}
+        before = {m: (t["tokens"], t["seconds"]) for m, t in totals.items()}
+        stream_pass(runs, totals, outputs, fast, tok, eos, counted=run_i == 0)
+        for m, t in totals.items():
+            t["tokens_per_s_runs"].append((t["tokens"] - before[m][0]) / (t["seconds"] - before[m][1]))
     rows = []
     for m in methods:
         t = totals[m]
@@ -147,14 +161,14 @@ def main(argv=None) -> int:
         row = {"method": m, **t, "tokens_per_s": t["tokens"] / t["seconds"], "warmup_s": warm_s[m],
                "equal_to_hf": None if ref is None else sum(a == b for a, b in zip(outputs[m], ref))}
         if t["rounds"]:
-            row["tokens_per_round"] = t["tokens"] / t["rounds"]
+            row["tokens_per_round"] = t["tokens"] / args.runs / t["rounds"]
         if "schema" not in m:
             row.pop("valid"), row.pop("finished")
         rows.append(row)
     if args.vllm_python:
         rows += vllm_rows(args, outputs)
     base = {r["method"]: r.get("tokens_per_s") for r in rows}
-    print(f"{'method':34s} {'tok/s':>7s} {'vs hf':>6s} {'tok/round':>9s} {'forced':>6s} {'valid':>7s} {'== HF':>6s}")
+    print(f"{'method':34s} {'tok/s':>7s} {'vs hf':>6s} {'tok/round':>9s} {'forced':>6s} {'valid':>7s} {'== HF':>6s}  per pass")
     for r in rows:
         if "tokens_per_s" not in r:
             print(f"{r['method']:34s} failed: {r.get('error', '')[-300:]}")
@@ -162,10 +176,12 @@ def main(argv=None) -> int:
         vs = r["tokens_per_s"] / base["hf"] if base.get("hf") else float("nan")
         v = f"{r['valid']}/{len(JSON_PROMPTS)}" if "valid" in r else "-"
         print(f"{r['method']:34s} {r['tokens_per_s']:7.2f} {vs:5.2f}x {r.get('tokens_per_round', 0):9.2f} "
-              f"{r.get('forced', 0):6d} {v:>7s} {r.get('equal_to_hf')!s:>6s}")
+              f"{r.get('forced', 0):6d} {v:>7s} {r.get('equal_to_hf')!s:>6s}  "
+              f"{' '.join(f'{x:.1f}' for x in r.get('tokens_per_s_runs', []))}")
     if args.out:
         meta = {"model": args.model, "cpu": cpu_name(), "threads": torch.get_num_threads(), "build_s": build_s,
-                "prompts": len(JSON_PROMPTS), "max_new_tokens": args.max_new_tokens, "commit": _source_commit(),
+                "prompts": len(JSON_PROMPTS), "max_new_tokens": args.max_new_tokens, "runs": args.runs,
+                "commit": _source_commit(),
                 "torch": torch.__version__}
         write_json(args.out, meta, rows)
     return 0
