@@ -326,18 +326,29 @@ def _hf_reference(model, ids, gkw, processors=lambda: None):
                                              **gkw))
 
 
-def _grammar_processors(constraint: dict, tok, fast, gkw, ids):
-    """The constraint as HF logits processors (fresh per call), or None without one."""
+def _compiled_constraint(constraint: dict, tok, fast, gkw):
+    """The constraint compiled as ``fast.generate`` compiles it (a schema, regex or grammar that
+    does not compile exits here, before generating), or None without one."""
     if not constraint:
+        return None
+    from specgraph.grammar import compile_grammar, grammar_spec
+
+    spec = grammar_spec(constraint.get("response_format"), constraint.get("regex"), constraint.get("grammar"))
+    try:
+        return compile_grammar(spec, tok, fast.vocab, gkw.get("eos_token_id", fast.model.generation_config.eos_token_id))
+    except ValueError as e:
+        _die(str(e))
+
+
+def _grammar_processors(grammar, ids):
+    """``grammar`` as HF logits processors (fresh per call: its matchers keep state), or None."""
+    if grammar is None:
         return lambda: None
     from transformers import LogitsProcessorList
 
-    from specgraph.grammar import GrammarLogitsProcessor, compile_grammar, grammar_spec
+    from specgraph.grammar import GrammarLogitsProcessor
 
-    spec = grammar_spec(constraint.get("response_format"), constraint.get("regex"), constraint.get("grammar"))
-    eos = gkw.get("eos_token_id", fast.model.generation_config.eos_token_id)
-    g = compile_grammar(spec, tok, fast.vocab, eos)
-    return lambda: LogitsProcessorList([GrammarLogitsProcessor(g, ids.shape[1])])
+    return lambda: LogitsProcessorList([GrammarLogitsProcessor(grammar, ids.shape[1])])
 
 
 def _text_or_file(value: str) -> str:
@@ -458,11 +469,8 @@ def _generate_jit(args) -> int:
         _die(str(e), 1)
     except ValueError as e:
         _die(str(e))
+    grammar = _compiled_constraint(constraint, tok, fast, gkw)
     if constraint:
-        try:  # a schema, regex or grammar that does not compile: say so before generating
-            fast.generate(ids, max_new_tokens=1, tokenizer=tok, **constraint)
-        except ValueError as e:
-            _die(str(e))
         constraint["tokenizer"] = tok
     if _processor_kwargs(args):  # the processors' own round graphs, before generating
         from transformers import GenerationConfig
@@ -500,7 +508,7 @@ def _generate_jit(args) -> int:
         "compile_seconds": build_s, "graphs_built": len(fast.graphs_built),
         "graph_cache": fast.graph_cache})
     if args.compare is not False:  # HF generate on the model at the compiled precision: the reference
-        ref, hf_s = _hf_reference(fast.model, ids, gkw, _grammar_processors(constraint, tok, fast, gkw, ids))
+        ref, hf_s = _hf_reference(fast.model, ids, gkw, _grammar_processors(grammar, ids))
         result["compare"] = cmp = _compare_result(out, ref, ids.shape[1], sg_s, hf_s, sample)
         if not args.json:
             equal = "n/a (sampling)" if sample else str(cmp["equal_to_hf"])

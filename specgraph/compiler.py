@@ -40,7 +40,7 @@ from specgraph.passes import block_sparse_attention_pass, run_step_pipeline
 from specgraph.lookup import NGRAM_TREE_MATCHES
 from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundView, TreeProposal
 from specgraph.grammar import GrammarRows, compile_grammar, grammar_spec
-from specgraph.processors import LogitsSpec, process_logits
+from specgraph.processors import LogitsSpec, process_logits, with_grammar
 from specgraph.trees import SUFFIX_CHILDREN, SUFFIX_TREE_SIZES, TreeSpec, tree_from_paths
 from specgraph.templates import memoize_kernel_templates
 from specgraph.verify import chain_noise, tree_noise
@@ -835,7 +835,7 @@ class SpecGraphModel:
         # any prompt longer than one token: a spec does not depend on the prompt's length beyond that
         spec = None if generation_config is None else \
             resolve(self.model, torch.ones(1, 2, dtype=torch.long), generation_config, vocab=self.vocab).logits
-        return dataclasses.replace(spec or LogitsSpec(), grammar=True) if structured_output else spec
+        return with_grammar(spec) if structured_output else spec
 
     def default_sampling(self) -> SamplingParams:
         """The graph settings of a plain ``do_sample=True`` request on this model: its
@@ -1183,8 +1183,7 @@ class SpecGraphModel:
             req = dataclasses.replace(req, return_dict=True, logprobs=output_logprobs)
         constraint = grammar_spec(response_format, regex, grammar)
         if constraint is not None:
-            logits = dataclasses.replace(req.logits or LogitsSpec(), grammar=True)
-            req = dataclasses.replace(req, logits=logits,
+            req = dataclasses.replace(req, logits=with_grammar(req.logits),
                                       grammar=compile_grammar(constraint, tokenizer, self.vocab, req.eos))
         if req.num_return_sequences > 1:
             input_ids = input_ids.repeat_interleave(req.num_return_sequences, dim=0)

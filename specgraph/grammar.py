@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specgraph.processors import apply_token_bitmask, bitmask_words
 from specgraph.proposal import ChainProposal, TreeProposal
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
@@ -168,10 +169,6 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab: int, eos) -> Grammar:
     return Grammar(spec, compiled, vocab, eos, encode)
 
 
-def bitmask_words(vocab: int) -> int:
-    return (vocab + 31) // 32
-
-
 def _allows(words: np.ndarray, token: int) -> bool:
     return bool((int(words[token >> 5]) >> (token & 31)) & 1)
 
@@ -238,11 +235,8 @@ class GrammarRows:
         draft padding, which verification rejects."""
         if not (self.force_drafts and FORCED_DRAFTS) or self.grammar.encode is None:
             return None
-        rows = [[] for _ in self.matchers]
-        for b, m in enumerate(self.matchers):
-            if live[b] and not m.is_terminated():
-                text = m.find_jump_forward_string()
-                rows[b] = list(self.grammar.encode(text))[:k] if text else []
+        rows = [self._forced_string(m, k) if live[b] and not m.is_terminated() else []
+                for b, m in enumerate(self.matchers)]
         if not any(rows):
             return None
         stats.forced += sum(map(len, rows))
@@ -261,6 +255,10 @@ class GrammarRows:
             return [only] if only != draft else []
         if _allows(words, draft) or self.grammar.encode is None:
             return []
+        return self._forced_string(m, room)
+
+    def _forced_string(self, m, room: int) -> list[int]:
+        """The first ``room`` tokens of the string the grammar forces from matcher ``m``'s state."""
         text = m.find_jump_forward_string()
         return list(self.grammar.encode(text))[:room] if text else []
 
@@ -311,8 +309,6 @@ class GrammarLogitsProcessor:
         self.matchers: list | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        from specgraph.processors import apply_token_bitmask
-
         B = input_ids.shape[0]
         if self.matchers is None:
             self.matchers = [self.grammar.matcher() for _ in range(B)]

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specgraph.processors import bitmask_words
+
 MODES = ("greedy", "sample")
 
 
@@ -203,7 +205,7 @@ def example_inputs(fast, g: GraphSpec, vocab: int) -> tuple[list, list[str]]:
     def grammar(Q):  # a grammar's token bitmask per position: every token allowed
         if g.logits is None or not g.logits.grammar:
             return [], []
-        return [torch.full((B, Q, (vocab + 31) // 32), -1, dtype=torch.int32, device=dev)], ["allowed"]
+        return [torch.full((B, Q, bitmask_words(vocab)), -1, dtype=torch.int32, device=dev)], ["allowed"]
     if g.kind == "round":
         k = g.depth
         accept_u = torch.zeros(B, k, device=dev)

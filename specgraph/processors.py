@@ -28,6 +28,7 @@ position ``L`` of the unpadded row).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,11 @@ class LogitsSpec:
                   ("forced_eos_token_id", self.forced_eos), ("suppress_tokens", self.suppress_tokens),
                   ("begin_suppress_tokens", self.begin_suppress_tokens), ("grammar", self.grammar)]
         return [n for n, v in fields if v]
+
+
+def with_grammar(spec: "LogitsSpec | None") -> LogitsSpec:
+    """``spec`` (None: no processor) with a grammar's mask added."""
+    return dataclasses.replace(spec or LogitsSpec(), grammar=True)
 
 
 def prefix_sequences(
@@ -151,6 +157,11 @@ def _suppress(x, cond, tokens):
     hit = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
     hit[[t for t in tokens if t < x.shape[-1]]] = True
     return x.masked_fill(cond.unsqueeze(-1) & hit, NEG_INF)
+
+
+def bitmask_words(vocab: int) -> int:
+    """int32 words of a token bitmask over ``vocab`` tokens."""
+    return (vocab + 31) // 32
 
 
 def apply_token_bitmask(

@@ -36,6 +36,18 @@ def char_tokenizer():
     return make
 
 
+@pytest.fixture(scope="module")
+def smollm2():
+    """(model, tokenizer) of the default model, or a skip where it is not installed."""
+    pytest.importorskip("gguf")
+    from specgraph.models import load_model
+
+    try:
+        return load_model("default")
+    except (ImportError, FileNotFoundError) as e:
+        pytest.skip(f"default model not installed: {e}")
+
+
 @pytest.fixture(autouse=True)
 def _lazy_graphs(monkeypatch):
     """specgraph.compile builds its whole graph set up front by default; a test builds only the

@@ -68,13 +68,15 @@ def exact_law(model, settings) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sampled_counts(fast, settings, seed: int) -> torch.Tensor:
+def sampled_counts(fast, settings, seed: int, calls: int = N_CALLS, **generate_kw) -> torch.Tensor:
+    """Counts [V, V, V] of ``calls`` x BATCH sampled three-token continuations of PROMPT
+    (``generate_kw``: further generate arguments, which may replace the EOS)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([PROMPT] * BATCH)
     counts = torch.zeros(V, V, V, dtype=torch.float64)
-    for _ in range(N_CALLS):
-        out = fast.generate(ids, max_new_tokens=3, do_sample=True, generator=g, eos_token_id=[], pad_token_id=0,
-                            **settings)
+    kw = {"eos_token_id": [], "pad_token_id": 0, **settings, **generate_kw}
+    for _ in range(calls):
+        out = fast.generate(ids, max_new_tokens=3, do_sample=True, generator=g, **kw)
         new = out[:, len(PROMPT):]
         assert new.shape[1] == 3
         counts.view(-1).index_add_(0, (new[:, 0] * V * V + new[:, 1] * V + new[:, 2]), torch.ones(BATCH, dtype=torch.float64))

@@ -15,7 +15,6 @@ import itertools
 import json
 import re
 
-import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
@@ -264,20 +263,11 @@ def masked_law(model, settings) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-@torch.no_grad()
 def grammar_counts(fast, settings, seed: int) -> torch.Tensor:
-    from test_compile_sampling import BATCH, N_CALLS, PROMPT, V
+    from test_compile_sampling import N_CALLS, sampled_counts
 
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([PROMPT] * BATCH)
-    counts = torch.zeros(V, V, V, dtype=torch.float64)
-    for _ in range(N_CALLS // 3):
-        out = fast.generate(ids, max_new_tokens=3, do_sample=True, generator=g, eos_token_id=[0], pad_token_id=0,
-                            regex=LAW_REGEX, tokenizer=law_info(), **settings)
-        new = out[:, len(PROMPT):]
-        counts.view(-1).index_add_(0, new[:, 0] * V * V + new[:, 1] * V + new[:, 2],
-                                   torch.ones(BATCH, dtype=torch.float64))
-    return counts
+    return sampled_counts(fast, settings, seed, N_CALLS // 3, eos_token_id=[0], regex=LAW_REGEX,
+                          tokenizer=law_info())
 
 
 @pytest.fixture(scope="module")
@@ -386,17 +376,6 @@ def test_structured_output_rounds_are_built_and_cached_at_compile(target, tok):
 
 # ---------------------------------------------------------------------------------------------
 # the real model: SmolLM2's BPE vocabulary (49,152 tokens), JSON answers
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    pytest.importorskip("gguf")
-    from specgraph.models import load_model
-
-    try:
-        return load_model("default")
-    except (ImportError, FileNotFoundError) as e:
-        pytest.skip(f"default model not installed: {e}")
 
 
 @pytest.mark.slow

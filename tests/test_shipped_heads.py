@@ -38,17 +38,6 @@ def test_shipped_head_file(kind):
     assert md["meta"]["trained_by"] == "specgraph train-drafter"
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    pytest.importorskip("gguf")
-    from specgraph.models import load_model
-
-    try:
-        return load_model("default")
-    except (ImportError, FileNotFoundError) as e:
-        pytest.skip(f"default model not installed: {e}")
-
-
 def _ids(tok, text):
     enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt")
     return enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
