@@ -15,6 +15,9 @@ The pipeline, in order (see :func:`run_step_pipeline`):
 ``block_sparse_attention_pass`` (``compile(attention="block_sparse")``, the CPU default) follows
 step 4: each row's attention reads only the cache blocks its mask shows, as flex attention.
 
+``dequant_linear_pass`` (compiled graphs of a low-precision model) follows them: each
+quantized linear layer reads its stored weight and dequantizes it inside the fused matmul.
+
 Capture itself (the static KV cache with per-row write slots) is :mod:`specgraph.capture`.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.fx as fx
 from .attend import attend_mask_width_pass, attend_prefix_pass
 from .attention import attention_nodes, tree_attention_pass
 from .dce import safe_dce_pass
+from .dequant import dequant_linear_pass
 from .gqa import gqa_fold_pass
 from .sparse import block_sparse_attention_pass
 from .window import banded_mask, sliding_window_pass
@@ -44,4 +48,4 @@ def run_step_pipeline(gm: fx.GraphModule, windows: tuple[list[str], int] | None 
     return gm, counts
 
 
-__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "gqa_fold_pass", "attend_prefix_pass", "attend_mask_width_pass", "safe_dce_pass", "attention_nodes", "block_sparse_attention_pass", "sliding_window_pass", "banded_mask"]
+__all__ = ["STEP_PIPELINE", "run_step_pipeline", "tree_attention_pass", "gqa_fold_pass", "attend_prefix_pass", "attend_mask_width_pass", "safe_dce_pass", "attention_nodes", "block_sparse_attention_pass", "sliding_window_pass", "banded_mask", "dequant_linear_pass"]

@@ -36,7 +36,7 @@ from specgraph.limits import check_kv_fits, resolve_max_seq_len
 from specgraph.graphset import MODES, GraphSpec, Progress, example_inputs, plan as plan_graph_set, with_logits
 from specgraph.generation import (GenerationRequest, ScoreLog, StepStreamer, UnsupportedSetting, inferred_attention_mask,
                                   resolve, stop_at)
-from specgraph.passes import block_sparse_attention_pass, run_step_pipeline
+from specgraph.passes import block_sparse_attention_pass, dequant_linear_pass, run_step_pipeline
 from specgraph.lookup import NGRAM_TREE_MATCHES
 from specgraph.proposal import CallStart, ChainProposal, Proposer, RoundView, TreeProposal
 from specgraph.grammar import GrammarRows, compile_grammar, grammar_spec
@@ -686,6 +686,8 @@ class SpecGraphModel:
             gm, counts = run_step_pipeline(capture_step(model, B, Q, self.slots, max_batch), layer_windows(model))
             if self.attention == "block_sparse":
                 gm, counts["block_sparse_attention_pass"] = block_sparse_attention_pass(gm, self.slots, max_batch)
+            if self.backend == "inductor":
+                gm, counts["dequant_linear_pass"] = dequant_linear_pass(gm, (max_batch or B) * Q)
             self.pass_counts[key] = counts
             self._steps[key] = gm
         return self._steps[key]

@@ -5,14 +5,12 @@ transformers loads a GGUF file by dequantizing every tensor to floats. :func:`na
 back to the file for the linear layers and builds each from the file's own blocks:
 
 - Q4_0 / Q4_1 (blocks of 32 codes with a scale, and for Q4_1 an offset) become an
-  :class:`specgraph.precision.Int4Linear` with the file's blocks, scales and offsets
-  (``W = (q - 8) d + (m + 8 d)`` is Q4_1's ``q d + m``). The kernel reads scales and offsets in
-  bf16, so they are rounded to bf16 and each code re-rounded against them
-  (:meth:`specgraph.precision.Int4Linear.fit`); keeping the file's codes with rounded offsets
-  would shift every weight of a block by the offset's rounding error, which garbles SmolLM2;
+  :class:`specgraph.precision.Int4Linear` with the file's own codes, scales and offsets (fp32,
+  which holds the file's f16 values exactly): ``W = q d + low`` with ``low = -8 d`` (Q4_0) or
+  ``m`` (Q4_1);
 - every other quantized type (Q8_0, the K-quants, ...) becomes an
   :class:`specgraph.precision.Int8Linear` of the file's dequantized values, one scale per output
-  channel (the CPU's int8 kernel has no per-block scales);
+  channel;
 - F16 / BF16 tensors become :class:`specgraph.precision.BF16Linear` layers; F32 ones stay fp32.
 
 The file's tensors are found by value, not by name: each row of a dequantized GGUF tensor is the
@@ -27,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specgraph.precision import (INT4_GROUP, WEIGHTS, BF16Linear, Int4Linear, Int8Linear, as_given, quantize,
+from specgraph.precision import (WEIGHTS, BF16Linear, Int4Linear, Int8Linear, as_given, quantize,
                                  with_linears)
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -50,18 +48,19 @@ def _dequantized(tensor) -> np.ndarray:  # [N, K] float32
     return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(tensor.data.shape[0], -1)
 
 
-def _q4_scales(tensor, rows: np.ndarray):
-    """(scale, zero) [N, K / 32] of Q4 tensor ``tensor``'s rows ``rows``, such that the file's
-    values are ``W = (q - 8) * scale + zero``."""
+def _q4_blocks(tensor, rows: np.ndarray):
+    """(codes [N, K] 0..15, scale, low [N, K / 32]) of Q4 tensor ``tensor``'s rows ``rows``: the
+    file's values are ``codes * scale + low`` (Q4_0: ``(q - 8) d``; Q4_1: ``q d + m``). A block
+    is an f16 scale ``d`` (Q4_1: then an f16 offset ``m``) and 16 bytes: byte ``j`` holds code
+    ``j`` in its low nibble and code ``j + 16`` in its high one."""
     kind = tensor.tensor_type.name
     size = 18 if kind == "Q4_0" else 20
     blocks = np.asarray(tensor.data)[rows].reshape(len(rows), -1, size)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
-    if kind == "Q4_0":
-        zero = np.zeros_like(d)
-    else:
-        zero = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0] + 8 * d
-    return torch.from_numpy(d), torch.from_numpy(zero)
+    low = -8 * d if kind == "Q4_0" else blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+    qs = blocks[..., size - 16:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(len(rows), -1)
+    return torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(low)
 
 
 class _RowIndex:
@@ -92,9 +91,8 @@ def _native_linear(module, weight: torch.Tensor, index: _RowIndex, name: str):
     if kind in FLOAT_TYPES:
         return None if kind in ("F32", "F64") else BF16Linear(weight, module.bias)
     N, K = weight.shape
-    if kind in INT4_TYPES and Int4Linear.fits(N, K, INT4_GROUP):
-        scale, zero = _q4_scales(tensor, rows)
-        return Int4Linear.fit(weight, module.bias, scale, zero, INT4_GROUP)
+    if kind in INT4_TYPES and Int4Linear.fits(N, K):
+        return Int4Linear.from_codes(*_q4_blocks(tensor, rows), module.bias)
     return Int8Linear.quantize(weight, module.bias)
 
 
@@ -107,7 +105,7 @@ def native_model(model):
     path = gguf_path(model)
     device = next(model.parameters()).device
     if device.type != "cpu":
-        raise ValueError(f"weights='native' runs the CPU's int8 / int4 weight-pack kernels; the model is on {device}")
+        raise ValueError(f"weights='native' is built and tested for the CPU; the model is on {device}")
     if path is None:
         raise ValueError("weights='native' keeps a GGUF model at its file's precision: load the model with "
                          "specgraph.load_model (which records its GGUF file), or pass weights='float32', 'bfloat16', "

@@ -107,7 +107,7 @@ from specgraph.packages import PT2_SUBDIR, Package, model_tensors, package_graph
 from specgraph.warping import SamplingParams
 
 FORMAT = "specgraph-graph-cache"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 KEY_FILE = "key.json"
 KEY_FIELDS = ("format_version", "config", "dtype", "versions", "machine")  # in every key format so far
 KEY_MAX_BYTES = 1 << 20  # a key.json larger than this is no cache key

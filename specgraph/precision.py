@@ -10,22 +10,20 @@ a lower precision is both fewer bytes per step and no per-graph weight copies.
 ``weights``    linear layers' weights                          their matmul
 =============  ==============================================  ===================================
 float32        fp32 (the model as given)                       MKL / Inductor (frozen, prepacked)
-bfloat16       bf16                                            oneDNN bf16, fp32 accumulation
-int8           int8, a scale per output channel (symmetric)    ``aten._weight_int8pack_mm``
-int4           int4, a scale and an offset per 32 inputs       ``aten._weight_int4pack_mm_for_cpu``
+bfloat16       bf16                                            fp32 activations and accumulation,
+int8           int8, a scale per output channel (symmetric)    the weight dequantized in the
+int4           int4, a scale and an offset per 32 inputs       fused matmul
 native         a GGUF model's own blocks (:mod:`specgraph.gguf_weights`)
 =============  ==============================================  ===================================
 
-Only the linear layers (the LM head too) change: each rounds its input to bf16, runs its kernel
-(the CPU int8 / int4 weight-pack kernels are fast for bf16 inputs only, several times slower for
-fp32 ones) and returns fp32. Everything between them (embeddings, norms, attention, the KV cache,
-residuals) stays fp32. That keeps the model's law computable the same way by ``generate`` and by
-the compiled rounds: each kernel gives a row the same bits whatever the rows beside it, and the
-fp32 parts differ between the two only in summation order, as they do at ``float32``. (A whole
-bf16 model is not: a bf16 attention's output rounding differs between HF's growing cache and a
-static cache read under a mask, and bf16 logits tie often, so greedy output would drift.)
-A linear the int4 kernel cannot take (an output count not a multiple of 16, or an input count not
-a multiple of 32) is a bf16 layer.
+Only the linear layers (the LM head too) change, and only in their weights: activations,
+embeddings, norms, attention, the KV cache and residuals stay fp32, and every product is summed
+in fp32. Each layer calls one op of :mod:`specgraph.kernels.dequant_linear`: eagerly (``generate``,
+the reference) it dequantizes the weight and runs an fp32 GEMM; in a compiled graph
+(:func:`specgraph.passes.dequant_linear_pass`) it reads the stored weight and dequantizes it in
+registers. The two differ only in summation order, as they do at ``float32``, so greedy output
+equals ``generate`` on the quantized model just as it does at full precision.
+A linear whose input count is not a multiple of 64 cannot take the int4 layout and stays bf16.
 """
 from __future__ import annotations
 
@@ -34,118 +32,105 @@ import copy
 import torch
 from torch import nn
 
+from specgraph.kernels import dequant_linear as dq
+
 WEIGHTS = ("float32", "bfloat16", "int8", "int4", "native")
-ACTIVATIONS = torch.bfloat16  # what a low-precision layer's kernel reads and writes (in and out: fp32)
-INT4_GROUP = 32  # inputs per int4 scale/offset: GGUF's Q4 block size (64 and 128 run no faster here)
+INT4_GROUP = dq.GROUP  # inputs per int4 scale/offset: GGUF's Q4 block size
 
 
-class BF16Linear(nn.Module):
-    """``y = x @ W.T + bias`` with ``W`` in bf16: the input rounded to bf16, fp32 accumulation."""
+class _StoredLinear(nn.Module):
+    """A linear layer whose weight is stored in ``fmt`` (:mod:`specgraph.kernels.dequant_linear`)."""
+
+    fmt: str
+
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def forward(self, x):  # [..., K] fp32 -> [..., N] fp32
+        y = dq.OPS[self.fmt](x.reshape(-1, self.in_features), *self.stored())
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] float32
+        return dq.WEIGHT[self.fmt](*self.stored())
+
+
+class BF16Linear(_StoredLinear):
+    """``y = x @ W.T + bias`` with ``W`` stored in bf16."""
+
+    fmt = "bf16"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight_bf16", weight.detach().to(ACTIVATIONS).contiguous())  # [N, K]
+        self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16).contiguous())  # [N, K]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    def forward(self, x):  # [..., K] -> [..., N], x's dtype
-        y = nn.functional.linear(x.to(ACTIVATIONS), self.weight_bf16).to(x.dtype)
-        return y if self.bias is None else y + self.bias
-
-    def dequantized(self) -> torch.Tensor:  # [N, K] float32
-        return self.weight_bf16.float()
+    def stored(self):
+        return (self.weight_bf16,)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_StoredLinear):
     """``y = x @ (q * scale).T + bias``: weight-only int8, one scale per output channel."""
+
+    fmt = "int8"
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.register_buffer("qweight", qweight)  # [N, K] int8
-        self.register_buffer("scale", scale)  # [N], the activation dtype
+        self.register_buffer("scale", scale)  # [N] float32
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias, dtype=ACTIVATIONS) -> "Int8Linear":
-        """Symmetric per-channel int8 of ``weight`` [N, K] (any float dtype; scales from fp32)."""
+    def quantize(cls, weight: torch.Tensor, bias) -> "Int8Linear":
+        """Symmetric per-channel int8 of ``weight`` [N, K] (any float dtype)."""
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        return cls(q, scale.to(dtype), None if bias is None else bias.detach().clone())
+        return cls(q, scale, None if bias is None else bias.detach().clone())
 
-    def forward(self, x):  # [..., K] -> [..., N], x's dtype
-        a = x.reshape(-1, self.in_features).to(ACTIVATIONS)
-        y = torch.ops.aten._weight_int8pack_mm(a, self.qweight, self.scale).to(x.dtype)
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def dequantized(self) -> torch.Tensor:  # [N, K] float32
-        return self.qweight.float() * self.scale.float()[:, None]
+    def stored(self):
+        return self.qweight, self.scale
 
 
-@torch.library.custom_op("specgraph::int4_mm", mutates_args=())
-def int4_mm(a: torch.Tensor, packed: torch.Tensor, group: int, scale_zero: torch.Tensor) -> torch.Tensor:
-    """``aten._weight_int4pack_mm_for_cpu`` as an opaque op: Inductor's own lowering of it adds
-    the group size as a tensor constant of the graph, which an unfrozen AOTInductor package cannot
-    bind to a model tensor; this op reaches the same kernel as an extern call."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(a, packed, group, scale_zero)
+class Int4Linear(_StoredLinear):
+    """``y = x @ W.T + bias`` with ``W[n, k] = c[n, k] * scale[n, g] + low[n, g]``,
+    ``g = k // 32``, codes ``c`` in 0..15 packed two per byte
+    (:mod:`specgraph.kernels.dequant_linear`): a scale and an offset per 32 inputs."""
 
+    fmt = "int4"
 
-@int4_mm.register_fake
-def _(a, packed, group, scale_zero):
-    return a.new_empty(a.shape[0], packed.shape[0])
-
-
-class Int4Linear(nn.Module):
-    """``y = x @ W.T + bias`` with ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]``,
-    ``g = k // group``: weight-only int4 with a scale and an offset per ``group`` inputs, the
-    weight in the CPU kernel's packed layout."""
-
-    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, bias, in_features: int, group: int):
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias):
         super().__init__()
-        self.in_features, self.out_features, self.group = in_features, packed.shape[0], group
-        self.register_buffer("packed", packed)  # [N, K / 2] uint8
-        self.register_buffer("scale_zero", scale_zero)  # [K / group, N, 2], the activation dtype
+        self.out_features, self.in_features = codes.shape[0], 2 * codes.shape[1]
+        self.register_buffer("codes", codes)  # [N, K / 2] uint8
+        self.register_buffer("scale", scale)  # [N, K / 32] float32
+        self.register_buffer("low", low)  # [N, K / 32] float32
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @staticmethod
-    def fits(out_features: int, in_features: int, group: int = INT4_GROUP) -> bool:
-        return out_features % 16 == 0 and in_features % group == 0
+    def fits(out_features: int, in_features: int) -> bool:
+        return dq.int4_fits(out_features, in_features)
 
     @classmethod
-    def fit(cls, weight: torch.Tensor, bias, scale, zero, group: int = INT4_GROUP, dtype=ACTIVATIONS) -> "Int4Linear":
-        """The int4 layer nearest ``weight`` [N, K] with ``scale`` and ``zero`` [N, K / group]
-        (the formula above). The kernel reads scales and offsets in the activation dtype, so they
-        are rounded to it first and the codes are rounded against the rounded values: each weight
-        is then off by at most half a step, never by a whole block's rounded offset."""
-        N, K = weight.shape
-        scale, zero = scale.to(dtype).float(), zero.to(dtype).float()
-        w = weight.detach().float().reshape(N, K // group, group)
-        q = torch.round((w - zero[..., None]) / scale[..., None]) + 8
-        q = q.clamp(0, 15).reshape(N, K).to(torch.int32).contiguous()
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
-        scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-        return cls(packed, scale_zero, None if bias is None else bias.detach().clone(), K, group)
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias) -> "Int4Linear":
+        """The layer of codes [N, K] (0..15) with ``scale`` and ``low`` [N, K / 32]."""
+        return cls(dq.pack_int4(codes), scale.float().contiguous(), low.float().contiguous(),
+                   None if bias is None else bias.detach().clone())
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias, group: int = INT4_GROUP, dtype=ACTIVATIONS) -> "Int4Linear":
-        """Asymmetric int4 of ``weight`` per ``group`` inputs: each group's range in 16 steps."""
+    def quantize(cls, weight: torch.Tensor, bias) -> "Int4Linear":
+        """Asymmetric int4 of ``weight`` [N, K] per 32 inputs: each group's range in 16 steps."""
         N, K = weight.shape
-        w = weight.detach().float().reshape(N, K // group, group)
+        w = weight.detach().float().reshape(N, K // INT4_GROUP, INT4_GROUP)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-        return cls.fit(weight, bias, scale, lo + 8 * scale, group, dtype)
+        codes = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).reshape(N, K)
+        return cls.from_codes(codes, scale, lo, bias)
 
-    def forward(self, x):  # [..., K] -> [..., N], x's dtype
-        a = x.reshape(-1, self.in_features).to(ACTIVATIONS)
-        y = int4_mm(a, self.packed, self.group, self.scale_zero).to(x.dtype)
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def dequantized(self) -> torch.Tensor:  # [N, K] float32, through the kernel (an identity input)
-        eye = torch.eye(self.in_features, dtype=self.scale_zero.dtype)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scale_zero).float().t()
+    def stored(self):
+        return self.codes, self.scale, self.low
 
 
 def as_given(model) -> str:
@@ -190,7 +175,7 @@ def quantize(model, weights: str, shared: dict | None = None):
         return model
     device = next(model.parameters()).device
     if weights in ("int8", "int4") and device.type != "cpu":
-        raise ValueError(f"weights={weights!r} runs the CPU's int8 / int4 weight-pack kernels; the model is on "
+        raise ValueError(f"weights={weights!r} is built and tested for the CPU; the model is on "
                          f"{device}: use weights='float32' or 'bfloat16' there")
     if current != "float32":
         raise ValueError(f"the model is already at weights={current!r}: quantize the original (fp32) model")
