@@ -1,4 +1,5 @@
-"""Verification kernels: each Triton kernel beside its plain-torch reference.
+"""Verification kernels: each Triton kernel beside its plain-torch reference (and, in
+:mod:`.dequant_linear`, the low-precision linear ops with their compiled forms).
 
 ``chain_outcomes`` / ``tree_outcomes`` dispatch on the device: CUDA tensors (with Triton available)
 take the Triton kernels, everything else the reference. Both consume the same random tensors, so
