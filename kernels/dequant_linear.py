@@ -114,26 +114,37 @@ OPS = {"int8": torch.ops.specgraph.int8_linear.default, "int4": torch.ops.specgr
 # the compiled forms
 
 
+def _per_row(x, dot):
+    """``[dot(x[m]) for m]`` stacked [M, N]: ``dot(xm [K]) -> [N]``, the reduction over K of one
+    row. A static M unrolls into M reductions of one loop nest (Inductor fuses them: each weight
+    element is loaded and dequantized once for all M rows); a dynamic M broadcasts instead."""
+    M = x.shape[0]
+    if isinstance(M, int):
+        return torch.stack([dot(x[m]) for m in range(M)])
+    return dot(x[:, None, :]).reshape(M, -1)
+
+
 def _rows_int8(x, q, scale):  # [M, K], [N, K] int8, [N] -> [M, N]
-    return ((q.float()[:, None, :] * x[None]).sum(-1) * scale[:, None]).t()
+    w = q.float()
+    return _per_row(x, lambda xm: (w * xm).sum(-1)) * scale
 
 
-def _int4_half(c, scale, low, x):  # [N, H] float codes, [N, H / GROUP] x2, [M, H] -> [N, M]
+def _int4_half(c, scale, low):  # [N, H] float codes, [N, H / GROUP] x2 -> [N, H] fp32 weights
     N, H = c.shape
-    w = (c.view(N, H // GROUP, GROUP) * scale[..., None] + low[..., None]).view(N, 1, H)
-    return (w * x[None]).sum(-1)
+    return (c.view(N, H // GROUP, GROUP) * scale[..., None] + low[..., None]).view(N, H)
 
 
 def _rows_int4(x, codes, scale, low):  # [M, K], [N, K/2] uint8, [N, G] x2 -> [M, N]
     H, g = codes.shape[1], scale.shape[1] // 2
     c = codes.to(torch.int32)  # nibbles of 32-bit lanes: ~25% faster in Inductor's CPU loops than of bytes
-    lo = _int4_half((c & 15).float(), scale[:, :g], low[:, :g], x[:, :H])
-    hi = _int4_half((c >> 4).float(), scale[:, g:], low[:, g:], x[:, H:])
-    return (lo + hi).t()
+    lo = _int4_half((c & 15).float(), scale[:, :g], low[:, :g])
+    hi = _int4_half((c >> 4).float(), scale[:, g:], low[:, g:])
+    return _per_row(x, lambda xm: (lo * xm[..., :H]).sum(-1) + (hi * xm[..., H:]).sum(-1))
 
 
 def _rows_bf16(x, w):  # [M, K], [N, K] bf16 -> [M, N]
-    return (w.float()[:, None, :] * x[None]).sum(-1).t()
+    wf = w.float()
+    return _per_row(x, lambda xm: (wf * xm).sum(-1))
 
 
 _ROWS = {"int8": _rows_int8, "int4": _rows_int4, "bf16": _rows_bf16}

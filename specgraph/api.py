@@ -3,18 +3,11 @@ depth policy (:mod:`specgraph.adaptive` for ``num_speculative_tokens="auto"``), 
 built or served from the persistent graph cache (:mod:`specgraph.graphcache`)."""
 from __future__ import annotations
 
-import warnings
 
 from specgraph import adaptive, compiler, gguf_weights, graphcache, learned, proposers
 from specgraph.compiler import EngineConfig, SpecGraphModel, resolve_autotune
 from specgraph.graphset import MODES
 from specgraph.planner import as_plan
-
-
-LOW_PRECISION_GREEDY = (
-    "specgraph: weights={weights!r} rounds each linear layer's input to bf16, which turns fp32 summation-order "
-    "differences into bf16 steps: greedy output follows fast.model.generate as closely as that model follows "
-    "itself across batchings, not token for token on every prompt (docs/weights.md)")
 
 
 def compile(
@@ -72,10 +65,9 @@ def compile(
     model as given (``"float32"`` for an fp32 model, also one dequantized from a GGUF file: the
     command line runs those at ``"native"`` unless ``--weights`` says otherwise).
     The target is the model at that precision, ``fast.model`` (``specgraph.quantize(model,
-    weights)``); ``model`` itself is left as it is. Its linear layers round their input to bf16,
-    so its greedy output is sensitive to fp32 summation order (HF ``generate`` on it changes its
-    output when a prompt is batched beside another): the compiled rounds follow it as closely as
-    it follows itself, with a warning (docs/weights.md).
+    weights)``); ``model`` itself is left as it is. Only the linear layers' weights change:
+    activations and sums stay fp32, so greedy output equals ``fast.model.generate`` as it does
+    at float32 (docs/weights.md).
 
     ``freeze=True`` lets Inductor treat the weights as constants (faster matmuls on CPU); each
     compiled graph then holds its own prepacked copy of the weights, and later changes to the
@@ -175,8 +167,6 @@ def _engine(model, draft, num_speculative_tokens, tree, backend, max_batch_size,
     policy, :mod:`specgraph.adaptive`), nothing built yet."""
     weights = gguf_weights.resolve(weights, model)
     source, model = model, gguf_weights.model_at(model, weights)
-    if model is not source:
-        warnings.warn(LOW_PRECISION_GREEDY.format(weights=weights), stacklevel=3)
     if isinstance(draft, str) and draft == "self-int4":
         draft = _self_int4(source, model)
     if freeze is None:

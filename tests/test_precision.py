@@ -20,7 +20,7 @@ from specgraph.kernels import dequant_linear
 from specgraph.precision import BF16Linear, Int4Linear, Int8Linear, quantize
 from test_architectures import tiny as tiny_family
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore:specgraph. weights=:UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 PROMPT = torch.tensor([[5, 9, 13, 9, 13, 9, 13, 21]])
 NEW = 40
