@@ -39,12 +39,10 @@ INT4_GROUP = dq.GROUP  # inputs per int4 scale/offset: GGUF's Q4 block size
 
 
 class _StoredLinear(nn.Module):
-    """A linear layer whose weight is stored in ``fmt`` (:mod:`specgraph.kernels.dequant_linear`)."""
+    """A linear layer whose weight is stored in ``fmt`` (:mod:`specgraph.kernels.dequant_linear`);
+    each subclass's ``stored()`` gives the op's weight arguments."""
 
     fmt: str
-
-    def stored(self) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
 
     def forward(self, x):  # [..., K] fp32 -> [..., N] fp32
         y = dq.OPS[self.fmt](x.reshape(-1, self.in_features), *self.stored())
