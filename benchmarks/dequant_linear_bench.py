@@ -27,6 +27,7 @@ from specgraph.passes.dequant import ROWS_MAX
 from specgraph.precision import BF16Linear, Int4Linear, Int8Linear
 
 sys.path.insert(0, os.path.dirname(__file__))
+from batch_bench import _source_commit  # noqa: E402
 from generate_bench import write_json  # noqa: E402
 from width_profile import cpu_name  # noqa: E402
 
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
             rows_out.append({"shape": name, "N": N, "K": K, "rows": M, "ms": {k: round(v, 4) for k, v in t.items()}})
     if args.out:
         write_json(args.out, {"cpu": cpu_name(), "threads": torch.get_num_threads(), "rows_max": ROWS_MAX,
-                              "torch": torch.__version__}, rows_out)
+                              "torch": torch.__version__, "commit": _source_commit()}, rows_out)
     return 0
 
 

@@ -20,6 +20,7 @@ from specgraph import gguf_weights
 from specgraph.models import load_model
 
 sys.path.insert(0, os.path.dirname(__file__))
+from batch_bench import _source_commit  # noqa: E402
 from generate_bench import write_json  # noqa: E402
 from stream_bench import chat_ids  # noqa: E402
 from stream_prompts import PROMPTS  # noqa: E402
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
         print(f"{w:>10}  NLL {nll:.3f}  top-1 agreement {top1:.3f}", flush=True)
     if args.out:
         write_json(args.out, {"model": args.model, "prompts": args.prompts, "tokens": args.tokens, "cpu": cpu_name(),
-                              "text": "the fp32 model's greedy continuation"}, rows)
+                              "text": "the fp32 model's greedy continuation", "commit": _source_commit()}, rows)
     return 0
 
 
