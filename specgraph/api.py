@@ -73,7 +73,7 @@ def compile(
     compiled graph then holds its own prepacked copy of the weights, and later changes to the
     model's weights are not seen. ``freeze=False`` saves that memory: every graph reads the one
     copy of the weights. None (default): frozen for ``weights="float32"``; the other precisions
-    run the weight-pack kernels on the one copy, unfrozen. The copies of all objects of
+    read the one copy, unfrozen. The copies of all objects of
     a process are kept within a budget (half the machine's memory, or ``SPECGRAPH_FREEZE_BUDGET_GB``;
     :mod:`specgraph.freezing`): past it, further graphs compile unfrozen, with a warning;
     ``fast.graph_frozen`` says which graphs were frozen.

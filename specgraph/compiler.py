@@ -240,8 +240,8 @@ def inductor_settings(device, freeze: bool, autotune: bool, attention: str = "sd
     Low-precision (bf16 / fp16) results are rounded after each operation as eager rounds them
     (``emulate_precision_casts``), not kept in fp32 through a fused kernel: the compiled rounds
     then compute the model's own law (greedy output equal to ``model.generate``).
-    ``low_precision`` (a graph with :mod:`specgraph.precision`'s layers): a linear layer's bf16
-    rounding of its input is not fused into the attention kernel before it (Inductor's CPU
+    ``low_precision`` (a graph with :mod:`specgraph.precision`'s layers): no epilogue fusion, so
+    nothing of a dequantized linear is fused into the attention kernel before it (Inductor's CPU
     flex-attention template takes no epilogue)."""
     memoize_kernel_templates()
     config = {"freezing": freeze, "emulate_precision_casts": True}
