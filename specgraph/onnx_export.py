@@ -427,6 +427,9 @@ def export_onnx(
     if draft == "model" and fast.tree is not None:
         raise NotImplementedError("ONNX export of draft-model trees is not supported yet: compile the draft model "
                                   "with tree=None (chains), or use draft='ngram' / 'suffix' for trees")
+    if getattr(fast, "weights", "float32") != "float32":
+        raise NotImplementedError(f"ONNX export of weights={fast.weights!r} is not supported: its linear layers are "
+                                  "specgraph ops ONNX has no kernel for; compile with weights='float32' to export")
     model, S, window = fast.model, fast.slots, fast.window
     draft_model = fast.draft_model if draft == "model" else None
     shapes = fast.tree_shapes()

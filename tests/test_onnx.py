@@ -368,6 +368,8 @@ def test_refusals(llama, qwen2):
     with pytest.raises(NotImplementedError, match="draft-model trees"):
         export_onnx(specgraph.compile(llama.model, tiny_model("llama", seed=1), tree=[(0,), (1,), (0, 0)],
                                       backend="eager"), "unused")
+    with pytest.raises(NotImplementedError, match="weights='int8'"):
+        export_onnx(specgraph.compile(llama.model, "ngram", weights="int8", backend="eager"), "unused")
 
 
 @torch.no_grad()
