@@ -72,6 +72,9 @@ def test_compiled_forms_equal_the_reference_to_fp32_rounding(fmt, rows):
     for form in (dequant_linear.rows_form(fmt), dequant_linear.dense_form(fmt)):
         torch.testing.assert_close(form(x, *layer.stored()), exact, **tol)
         torch.testing.assert_close(torch.compile(form, dynamic=False)(x, *layer.stored()), exact, **tol)
+    if rows > 1:  # a dynamic row count (a dynamic-batch graph): the broadcast rows form
+        dynamic = torch.compile(dequant_linear.rows_form(fmt), dynamic=True)
+        torch.testing.assert_close(dynamic(x, *layer.stored()), exact, **tol)
     rounded = (x.bfloat16().double() @ layer.dequantized().double().t()).float()
     assert not torch.allclose(rounded, exact, **tol)
 
