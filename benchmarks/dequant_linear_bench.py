@@ -45,18 +45,14 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def aten_kernels(w: torch.Tensor):
-    """(int8, int4) callables of the CPU's bf16-input weight-pack kernels for weight ``w`` [N, K]."""
-    N, K = w.shape
-    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-    q8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    blocks = w.reshape(N, K // 32, 32)
-    lo, s4 = blocks.amin(-1), ((blocks.amax(-1) - blocks.amin(-1)) / 15).clamp(min=1e-12)
-    q4 = torch.round((blocks - lo[..., None]) / s4[..., None]).clamp(0, 15).reshape(N, K).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 8)
-    sz = torch.stack([s4.t(), (lo + 8 * s4).t()], -1).bfloat16().contiguous()
-    return (lambda x: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q8, scale.bfloat16()),
-            lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, sz))
+def aten_kernels(int8: Int8Linear, int4: Int4Linear):
+    """(int8, int4) callables of the CPU's bf16-input weight-pack kernels on the same layers' codes
+    and scales (the int4 kernel's offset is that of code 8)."""
+    scale8 = int8.scale.bfloat16()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(dq.int4_codes(int4.codes).to(torch.int32), 8)
+    sz = torch.stack([int4.scale.t(), (int4.low + 8 * int4.scale).t()], -1).bfloat16().contiguous()
+    return (lambda x: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), int8.qweight, scale8),
+            lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, dq.GROUP, sz))
 
 
 def main(argv=None) -> int:
@@ -73,7 +69,7 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         w = torch.randn(N, K) * 0.02
         layers = {"int8": Int8Linear.quantize(w, None), "int4": Int4Linear.quantize(w, None), "bf16": BF16Linear(w, None)}
-        aten8, aten4 = aten_kernels(w)
+        aten8, aten4 = aten_kernels(layers["int8"], layers["int4"])
         for M in (int(r) for r in args.rows.split(",")):
             x = torch.randn(M, K)
             t = {"fp32 mkl": median_ms(lambda: x @ w.t(), args.reps)}

@@ -175,6 +175,6 @@ def dense_form(fmt: str):
     return _DENSE[fmt]
 
 
-def int4_fits(out_features: int, in_features: int) -> bool:
-    """Whether a [N, K] weight has the int4 layout: whole groups in each half of K."""
+def int4_fits(in_features: int) -> bool:
+    """Whether a weight with K = ``in_features`` has the int4 layout: whole groups in each half of K."""
     return in_features % (2 * GROUP) == 0

@@ -23,7 +23,8 @@ def dequant_linear_pass(gm: fx.GraphModule, max_rows: int | None = None) -> tupl
     runs) dequantizes into a buffer first; both sum in fp32.
 
     Before::  y = specgraph.int8_linear(x, q, scale)                  # x [M, K], M <= ROWS_MAX
-    After::   y = ((q.float()[:, None, :] * x[None]).sum(-1) * scale[:, None]).t()
+    After::   w = q.float()                                            # (dequant_linear.rows_form)
+              y = stack([(w * x[m]).sum(-1) for m in range(M)]) * scale
 
     Before::  y = specgraph.int8_linear(x, q, scale)                  # M > ROWS_MAX
     After::   y = x @ (q.float() * scale[:, None]).t()

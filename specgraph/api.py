@@ -3,7 +3,6 @@ depth policy (:mod:`specgraph.adaptive` for ``num_speculative_tokens="auto"``), 
 built or served from the persistent graph cache (:mod:`specgraph.graphcache`)."""
 from __future__ import annotations
 
-
 from specgraph import adaptive, compiler, gguf_weights, graphcache, learned, proposers
 from specgraph.compiler import EngineConfig, SpecGraphModel, resolve_autotune
 from specgraph.graphset import MODES

@@ -56,8 +56,12 @@ def _q4_blocks(tensor, rows: np.ndarray):
     kind = tensor.tensor_type.name
     size = 18 if kind == "Q4_0" else 20
     blocks = np.asarray(tensor.data)[rows].reshape(len(rows), -1, size)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
-    low = -8 * d if kind == "Q4_0" else blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+
+    def f16(at: int) -> np.ndarray:  # [N, K / 32] float32: each block's f16 at byte ``at``
+        return blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0]
+
+    d = f16(0)
+    low = -8 * d if kind == "Q4_0" else f16(2)
     qs = blocks[..., size - 16:]
     codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(len(rows), -1)
     return torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(low)

@@ -109,7 +109,8 @@ class Int4Linear(_StoredLinear):
 
     @staticmethod
     def fits(out_features: int, in_features: int) -> bool:
-        return dq.int4_fits(out_features, in_features)
+        """Whether a [N, K] weight takes the int4 layout (any N; see :func:`dequant_linear.int4_fits`)."""
+        return dq.int4_fits(in_features)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias) -> "Int4Linear":
